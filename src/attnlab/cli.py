@@ -1,0 +1,271 @@
+"""`attnlab <command>`: parses options and calls the library; results to stdout, messages to stderr.
+
+Every AttnlabError becomes one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+from attnlab.errors import AttnlabError
+
+if TYPE_CHECKING:
+    from attnlab.models.bert import BertModel
+    from attnlab.text.tokenizer import BertTokenizer
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (usage text stays available through --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise AttnlabError(f"{self.prog}: {message}")
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _set_threads(args: argparse.Namespace) -> None:
+    if getattr(args, "threads", None):
+        import torch
+
+        if args.threads < 1:
+            raise AttnlabError("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
+
+
+def read_lines(path: str | None) -> list[str]:
+    """All lines of a UTF-8 file (or stdin when path is None or '-'), without line endings."""
+    if path in (None, "-"):
+        data = sys.stdin.buffer.read()
+        name = "stdin"
+    else:
+        file = Path(path)
+        if not file.is_file():
+            raise AttnlabError(f"input file {file} not found")
+        data = file.read_bytes()
+        name = str(file)
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    out = []
+    for number, raw in enumerate(lines, 1):
+        try:
+            out.append(raw.decode("utf-8").rstrip("\r"))
+        except UnicodeDecodeError:
+            raise AttnlabError(f"{name} line {number} is not valid UTF-8") from None
+    return out
+
+
+def _load(model_dir: str) -> tuple[BertModel, BertTokenizer]:
+    from attnlab.interop.hf import load_bert, read_config
+    from attnlab.text.tokenizer import BertTokenizer
+
+    read_config(Path(model_dir))  # config problems first: they explain most failures
+    tokenizer = BertTokenizer.from_dir(model_dir)
+    return load_bert(model_dir), tokenizer
+
+
+# ------------------------------------------------------------------------------- commands
+
+
+def cmd_info(args: argparse.Namespace) -> None:
+    """Print the model's config and parameter count as JSON."""
+    from attnlab.interop.hf import describe, load_bert
+
+    print(json.dumps(describe(load_bert(args.model)), indent=2))
+
+
+def cmd_tokenize(args: argparse.Namespace) -> None:
+    """stdin lines -> one JSON object per line with input_ids and token_type_ids."""
+    from attnlab.interop.hf import read_config
+    from attnlab.text.tokenizer import BertTokenizer
+
+    config = read_config(Path(args.model))
+    tokenizer = BertTokenizer.from_dir(args.model)
+    lines = read_lines(args.input)
+    max_length = _max_length(args.max_length, config.max_positions)
+    texts, pairs = lines, None
+    if args.pair:
+        split = [line.split("\t", 1) for line in lines]
+        bad = next((i for i, parts in enumerate(split) if len(parts) != 2), None)
+        if bad is not None:
+            raise AttnlabError(f"--pair: line {bad + 1} has no TAB between sentence A and B")
+        texts, pairs = [a for a, _ in split], [b for _, b in split]
+    encodings = tokenizer.encode_batch(texts, pairs, max_length=max_length)
+    _check_truncation(encodings, max_length, args.no_truncate)
+    out = sys.stdout
+    for enc in encodings:
+        out.write(json.dumps({"input_ids": enc.ids, "token_type_ids": enc.type_ids}) + "\n")
+
+
+def _max_length(requested: int | None, limit: int) -> int:
+    if requested is None:
+        return limit
+    if requested < 2:
+        raise AttnlabError("--max-length must be at least 2 ([CLS] and [SEP])")
+    if requested > limit:
+        raise AttnlabError(f"--max-length {requested} is above the model's maximum ({limit})")
+    return requested
+
+
+def _check_truncation(encodings: Sequence, max_length: int, no_truncate: bool) -> None:
+    truncated = [i for i, e in enumerate(encodings) if e.truncated]
+    if not truncated:
+        return
+    if no_truncate:
+        raise AttnlabError(
+            f"input line {truncated[0] + 1} is longer than {max_length} tokens "
+            "(drop --no-truncate to truncate it)"
+        )
+    _say(f"warning: {len(truncated)} input line(s) longer than {max_length} tokens were truncated")
+
+
+def cmd_embed(args: argparse.Namespace) -> None:
+    """Input lines -> one JSON array (vector, or per-token vectors) per line, in input order."""
+    import torch
+
+    from attnlab.tasks.embed import embed
+
+    lines = read_lines(args.input)
+    model, tokenizer = _load(args.model)
+    max_length = _max_length(args.max_length, model.config.max_positions)
+    dtype = {"fp32": None, "bf16": torch.bfloat16}[args.dtype]
+    vectors = embed(
+        model,
+        tokenizer,
+        lines,
+        pooling=args.pooling,
+        normalize=args.normalize,
+        max_length=max_length,
+        max_tokens=args.batch_tokens,
+        max_batch=args.batch_size,
+        truncate=not args.no_truncate,
+        dtype=dtype,
+        on_truncate=lambda n: _say(
+            f"warning: {n} input line(s) longer than {max_length} tokens were truncated"
+        ),
+    )
+    out = sys.stdout
+    for vector in vectors:
+        out.write(json.dumps([round(v, 7) for v in vector.tolist()] if vector.dim() == 1 else
+                             [[round(v, 7) for v in row] for row in vector.tolist()]) + "\n")  # fmt: skip
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    """Write the model in HF transformers' layout to --out."""
+    from attnlab.interop.hf import load_bert, save_bert
+    from attnlab.io import check_out_dir
+    from attnlab.text.tokenizer import BertTokenizer
+
+    check_out_dir(Path(args.out), args.overwrite)
+    if Path(args.out).resolve() == Path(args.model).resolve():
+        raise AttnlabError("--out must differ from --model")
+    model = load_bert(args.model, heads=_has_heads(args.model))
+    tokenizer = BertTokenizer.from_dir(args.model)
+    save_bert(model, args.out, tokenizer, overwrite=args.overwrite, require_hf=True)
+    _say(f"exported {args.model} -> {args.out} (HF BERT layout)")
+
+
+def _has_heads(model_dir: str) -> bool:
+    from attnlab.interop.hf import read_weights
+
+    return any(k.startswith("cls.predictions") for k in read_weights(Path(model_dir)))
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> None:
+    """Train a WordPiece vocabulary on text files and save it to --out."""
+    from attnlab.io import check_out_dir, staged_dir
+    from attnlab.text.tokenizer import train_wordpiece
+
+    check_out_dir(Path(args.out), args.overwrite)
+    if args.vocab_size < 10:
+        raise AttnlabError("--vocab-size must be at least 10")
+    tokenizer = train_wordpiece(args.corpus, args.vocab_size, lowercase=not args.cased)
+    with staged_dir(Path(args.out), args.overwrite) as stage:
+        tokenizer.save(stage)
+    _say(f"trained a WordPiece vocabulary of {tokenizer.vocab_size} tokens -> {args.out}")
+
+
+# ------------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every attnlab command."""
+    parser = _Parser(prog="attnlab", description="Transformer and BERT toolkit.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def command(
+        name: str, func: Callable[[argparse.Namespace], None], text: str
+    ) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=text, description=text)
+        sub.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+        sub.set_defaults(func=func)
+        return sub
+
+    sub = command("info", cmd_info, "print a model's config and parameter count as JSON")
+    sub.add_argument("--model", required=True, help="checkpoint directory (HF or attnlab)")
+
+    sub = command("tokenize", cmd_tokenize, "tokenize lines to JSON input_ids/token_type_ids")
+    sub.add_argument("--model", required=True)
+    sub.add_argument("--input", help="UTF-8 text file (default: stdin)")
+    sub.add_argument("--pair", action="store_true", help="lines are 'A<TAB>B' sentence pairs")
+    sub.add_argument("--max-length", type=int)
+    sub.add_argument("--no-truncate", action="store_true", help="over-long input is an error")
+
+    sub = command("embed", cmd_embed, "sentence embeddings, one JSON array per input line")
+    sub.add_argument("--model", required=True)
+    sub.add_argument("--input", help="UTF-8 text file (default: stdin)")
+    sub.add_argument("--pooling", choices=("mean", "cls", "none"), default="mean")
+    sub.add_argument("--normalize", action="store_true", help="L2-normalise each vector")
+    sub.add_argument("--batch-size", type=int, default=256, help="most sentences per batch")
+    sub.add_argument("--batch-tokens", type=int, default=8192, help="most padded tokens per batch")
+    sub.add_argument("--max-length", type=int)
+    sub.add_argument("--no-truncate", action="store_true", help="over-long input is an error")
+    sub.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+
+    sub = command("export", cmd_export, "write a model in HF transformers' BERT layout")
+    sub.add_argument("--model", required=True)
+    sub.add_argument("--format", choices=("hf",), default="hf")
+    sub.add_argument("--out", required=True)
+    sub.add_argument("--overwrite", action="store_true")
+
+    tok = commands.add_parser("tokenizer", help="tokenizer tools")
+    tok_commands = tok.add_subparsers(dest="tokenizer_command", required=True, parser_class=_Parser)
+    sub = tok_commands.add_parser("train", help="train a WordPiece vocabulary")
+    sub.set_defaults(func=cmd_tokenizer_train)
+    sub.add_argument("--threads", type=int)
+    sub.add_argument("--corpus", nargs="+", required=True, help="UTF-8 text files (.gz ok)")
+    sub.add_argument("--vocab-size", type=int, default=30522)
+    sub.add_argument("--cased", action="store_true", help="keep case and accents")
+    sub.add_argument("--out", required=True)
+    sub.add_argument("--overwrite", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: run one command; AttnlabError -> one line on stderr, exit 2."""
+    try:
+        args = build_parser().parse_args(argv)
+        _set_threads(args)
+        args.func(args)
+    except AttnlabError as err:
+        _say(f"attnlab: error: {err}")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _say("attnlab: interrupted")
+        return 130
+    except BrokenPipeError:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Typed configuration for every model family, with the papers' defaults and named presets.
+
+`BertConfig` follows Devlin et al. 2019 (and HF's `config.json` field names on export);
+`position_encoding` selects any scheme of `attnlab.nn.positions` for any model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from attnlab.errors import AttnlabError
+
+POSITION_ENCODINGS = (
+    "learned",
+    "sinusoidal",
+    "relative_bias",
+    "rope",
+    "alibi",
+    "normalized",
+    "integer",
+    "none",
+)
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+NORM_POSITIONS = ("post", "pre")
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise AttnlabError(message)
+
+
+@dataclass
+class BertConfig:
+    """BERT encoder: sizes, dropout, activation, LayerNorm placement and positional scheme."""
+
+    vocab_size: int = 30522
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    d_ff: int = 3072
+    max_positions: int = 512
+    type_vocab_size: int = 2
+    dropout: float = 0.1
+    attention_dropout: float = 0.1
+    activation: str = "gelu"
+    layer_norm_eps: float = 1e-12
+    norm_position: str = "post"
+    position_encoding: str = "learned"
+    pad_token_id: int = 0
+    initializer_range: float = 0.02
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    rope_base: float = 10000.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise AttnlabError when a field is out of range or fields contradict each other."""
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_positions"):
+            value = getattr(self, name)
+            _check(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                f"config: {name} must be a positive integer, got {value!r}",
+            )
+        _check(
+            isinstance(self.type_vocab_size, int) and self.type_vocab_size >= 1,
+            f"config: type_vocab_size must be an integer >= 1, got {self.type_vocab_size!r}",
+        )
+        _check(
+            self.d_model % self.n_heads == 0,
+            f"config: d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})",
+        )
+        for name in ("dropout", "attention_dropout"):
+            value = getattr(self, name)
+            _check(
+                isinstance(value, (int, float)) and 0.0 <= value < 1.0,
+                f"config: {name} must be in [0, 1), got {value!r}",
+            )
+        _check(
+            self.activation in ACTIVATIONS,
+            f"config: unknown activation {self.activation!r} (choose from {', '.join(ACTIVATIONS)})",
+        )
+        _check(
+            self.norm_position in NORM_POSITIONS,
+            f"config: norm_position must be 'post' or 'pre', got {self.norm_position!r}",
+        )
+        _check(
+            self.position_encoding in POSITION_ENCODINGS,
+            f"unknown position encoding {self.position_encoding!r} "
+            f"(choose from {', '.join(POSITION_ENCODINGS)})",
+        )
+        _check(
+            isinstance(self.pad_token_id, int) and 0 <= self.pad_token_id < self.vocab_size,
+            f"config: pad_token_id {self.pad_token_id!r} is outside the vocabulary "
+            f"(vocab_size {self.vocab_size})",
+        )
+        if self.position_encoding == "rope":
+            _check(
+                (self.d_model // self.n_heads) % 2 == 0,
+                "config: rope needs an even head size (d_model / n_heads)",
+            )
+
+    @property
+    def d_head(self) -> int:
+        """Size of one attention head."""
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as a JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **overrides: Any) -> BertConfig:
+        """A copy with some fields changed (validated)."""
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
+        _check(not unknown, f"config: unknown field(s) {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **overrides)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BertConfig:
+        """Build from a dict of attnlab field names; unknown keys are an error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        _check(not unknown, f"config: unknown field(s) {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> BertConfig:
+        """A named size (bert-tiny ... bert-large) with optional field overrides."""
+        if name not in BERT_PRESETS:
+            raise AttnlabError(
+                f"unknown preset {name!r} (choose from {', '.join(sorted(BERT_PRESETS))})"
+            )
+        return cls(**BERT_PRESETS[name]).replace(**overrides)
+
+    def save(self, path: str | Path) -> None:
+        """Write as attnlab JSON (atomic)."""
+        from attnlab.io import write_text_atomic
+
+        write_text_atomic(Path(path), json.dumps(self.to_dict(), indent=2, ensure_ascii=False))
+
+
+def _sizes(n_layers: int, d_model: int, n_heads: int) -> dict[str, int]:
+    return {"n_layers": n_layers, "d_model": d_model, "n_heads": n_heads, "d_ff": 4 * d_model}
+
+
+# Published sizes: the paper's base/large and Turc et al. 2019's compact BERTs.
+BERT_PRESETS: dict[str, dict[str, int]] = {
+    "bert-tiny": _sizes(2, 128, 2),
+    "bert-mini": _sizes(4, 256, 4),
+    "bert-small": _sizes(4, 512, 8),
+    "bert-medium": _sizes(8, 512, 8),
+    "bert-base": _sizes(12, 768, 12),
+    "bert-large": _sizes(24, 1024, 16),
+}

@@ -1,0 +1,356 @@
+"""HuggingFace BERT checkpoints, both ways: config.json + weights <-> attnlab's BERT.
+
+A checkpoint directory holds ``config.json`` (HF field names), ``vocab.txt`` and/or
+``tokenizer.json``, and ``model.safetensors`` (or a legacy ``pytorch_model.bin``, read with
+``weights_only=True``). attnlab saves in this same layout, so its models go back to the HF
+ecosystem unchanged; settings HF has no field for (another positional scheme, pre-LN) ride in
+config.json under ``"attnlab"``, and such models only load in attnlab.
+
+The name mapping is the only translation: HF's separate query/key/value matrices are
+concatenated into attnlab's fused QKV projection on load and split again on save.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from attnlab.config import BertConfig
+from attnlab.errors import AttnlabError
+from attnlab.io import staged_dir, write_text_atomic, write_with_atomic
+from attnlab.models.bert import BertForPreTraining, BertModel, count_parameters
+
+HF_ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "relu": "relu",
+}
+# attnlab config field <- HF config.json field
+HF_FIELDS = {
+    "vocab_size": "vocab_size",
+    "d_model": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "d_ff": "intermediate_size",
+    "max_positions": "max_position_embeddings",
+    "type_vocab_size": "type_vocab_size",
+    "dropout": "hidden_dropout_prob",
+    "attention_dropout": "attention_probs_dropout_prob",
+    "layer_norm_eps": "layer_norm_eps",
+    "pad_token_id": "pad_token_id",
+    "initializer_range": "initializer_range",
+}
+ATTNLAB_ONLY = (
+    "norm_position",
+    "position_encoding",
+    "relative_buckets",
+    "relative_max_distance",
+    "rope_base",
+)
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def config_from_hf(data: dict[str, Any], source: str = "config.json") -> BertConfig:
+    """BertConfig from the fields of an HF BERT config.json."""
+    if not isinstance(data, dict):
+        raise AttnlabError(f"{source}: expected a JSON object")
+    model_type = data.get("model_type", "bert")
+    if model_type not in ("bert", "attnlab-bert"):
+        raise AttnlabError(f"{source}: model_type is {model_type!r}, attnlab loads BERT models")
+    fields: dict[str, Any] = {}
+    for ours, theirs in HF_FIELDS.items():
+        if theirs in data and data[theirs] is not None:
+            fields[ours] = data[theirs]
+    for required in ("vocab_size", "d_model", "n_layers", "n_heads"):
+        if required not in fields:
+            raise AttnlabError(f"{source}: missing {HF_FIELDS[required]!r}: is this a BERT config?")
+    fields.setdefault("d_ff", 4 * fields["d_model"])
+    act = data.get("hidden_act", "gelu")
+    if act not in HF_ACTIVATIONS:
+        raise AttnlabError(f"{source}: unsupported hidden_act {act!r}")
+    fields["activation"] = HF_ACTIVATIONS[act]
+    pos_type = data.get("position_embedding_type", "absolute")
+    if pos_type != "absolute":
+        raise AttnlabError(f"{source}: position_embedding_type {pos_type!r} is not supported")
+    fields["position_encoding"] = "learned"
+    extra = data.get("attnlab", {})
+    if not isinstance(extra, dict):
+        raise AttnlabError(f"{source}: 'attnlab' must be an object")
+    for key in ATTNLAB_ONLY:
+        if key in extra:
+            fields[key] = extra[key]
+    try:
+        return BertConfig(**fields)
+    except AttnlabError as err:
+        raise AttnlabError(f"{source}: {err}") from None
+    except TypeError as err:
+        raise AttnlabError(f"{source}: malformed value ({err})") from None
+
+
+def config_to_hf(config: BertConfig, architecture: str = "BertForPreTraining") -> dict[str, Any]:
+    """An HF BERT config.json dict for this config (attnlab-only settings under 'attnlab')."""
+    data: dict[str, Any] = {"architectures": [architecture], "model_type": "bert"}
+    for ours, theirs in HF_FIELDS.items():
+        data[theirs] = getattr(config, ours)
+    data["hidden_act"] = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}[
+        config.activation
+    ]
+    data["position_embedding_type"] = "absolute"
+    data["attnlab"] = {key: getattr(config, key) for key in ATTNLAB_ONLY}
+    return data
+
+
+def hf_compatible(config: BertConfig) -> str | None:
+    """None if HF's BertModel can run this config exactly, else the reason it cannot."""
+    if config.position_encoding != "learned":
+        return (
+            f"position_encoding {config.position_encoding!r} (HF BERT has learned positions only)"
+        )
+    if config.norm_position != "post":
+        return "pre-LN layers (HF BERT is post-LN)"
+    return None
+
+
+# ---------------------------------------------------------------------------- weights
+
+_LAYER = re.compile(r"^encoder\.layers\.(\d+)\.(.+)$")
+# attnlab name inside a layer -> HF name inside encoder.layer.N
+_LAYER_NAMES = {
+    "self_attn.out_proj": "attention.output.dense",
+    "norm1": "attention.output.LayerNorm",
+    "ffn.fc1": "intermediate.dense",
+    "ffn.fc2": "output.dense",
+    "norm2": "output.LayerNorm",
+}
+_TOP_NAMES = {
+    "embeddings.word_embeddings.weight": "embeddings.word_embeddings.weight",
+    "embeddings.token_type_embeddings.weight": "embeddings.token_type_embeddings.weight",
+    "embeddings.positions.weight": "embeddings.position_embeddings.weight",
+    "embeddings.norm.weight": "embeddings.LayerNorm.weight",
+    "embeddings.norm.bias": "embeddings.LayerNorm.bias",
+    "pooler.dense.weight": "pooler.dense.weight",
+    "pooler.dense.bias": "pooler.dense.bias",
+}
+_HEAD_NAMES = {
+    "mlm.dense.weight": "cls.predictions.transform.dense.weight",
+    "mlm.dense.bias": "cls.predictions.transform.dense.bias",
+    "mlm.norm.weight": "cls.predictions.transform.LayerNorm.weight",
+    "mlm.norm.bias": "cls.predictions.transform.LayerNorm.bias",
+    "mlm.bias": "cls.predictions.bias",
+    "nsp.weight": "cls.seq_relationship.weight",
+    "nsp.bias": "cls.seq_relationship.bias",
+}
+
+
+def _normalise_hf_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    # Old TF-converted checkpoints call LayerNorm parameters gamma/beta; some add "bert.".
+    out = {}
+    for name, tensor in state.items():
+        name = name.replace("LayerNorm.gamma", "LayerNorm.weight")
+        name = name.replace("LayerNorm.beta", "LayerNorm.bias")
+        if name.startswith("bert."):
+            name = name[len("bert.") :]
+        out[name] = tensor
+    return out
+
+
+def bert_state_from_hf(state: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+    """attnlab state dict for model (BertModel or BertForPreTraining) from HF-named tensors."""
+    hf = _normalise_hf_names(state)
+    prefix = "bert." if isinstance(model, BertForPreTraining) else ""
+    ours: dict[str, Tensor] = {}
+    missing: list[str] = []
+
+    def take(hf_name: str) -> Tensor | None:
+        if hf_name not in hf:
+            missing.append(hf_name)
+            return None
+        return hf[hf_name]
+
+    for name in model.state_dict():
+        plain = name[len(prefix) :] if name.startswith(prefix) else name
+        if plain == "mlm.word_embeddings.weight":
+            continue  # tied to the input embeddings
+        if plain in _TOP_NAMES:
+            tensor = take(_TOP_NAMES[plain])
+        elif plain in _HEAD_NAMES:
+            tensor = take(_HEAD_NAMES[plain])
+        elif match := _LAYER.match(plain):
+            index, rest = match.groups()
+            base = f"encoder.layer.{index}."
+            if rest.startswith("self_attn.qkv_proj."):
+                kind = rest.rsplit(".", 1)[1]  # weight / bias
+                parts = [
+                    take(f"{base}attention.self.{p}.{kind}") for p in ("query", "key", "value")
+                ]
+                tensor = None if any(p is None for p in parts) else torch.cat(parts, dim=0)
+            else:
+                module, kind = rest.rsplit(".", 1)
+                if module not in _LAYER_NAMES:
+                    raise AttnlabError(f"no HF name for parameter {name}")
+                tensor = take(f"{base}{_LAYER_NAMES[module]}.{kind}")
+        else:
+            tensor = take(f"attnlab.{plain}")  # attnlab-only, e.g. a relative-bias table
+        if tensor is not None:
+            ours[name] = tensor
+    if missing:
+        shown = ", ".join(missing[:3]) + (
+            f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        )
+        raise AttnlabError(f"checkpoint is missing weights: {shown}")
+    return ours
+
+
+def bert_state_to_hf(model: nn.Module) -> dict[str, Tensor]:
+    """HF-named tensors (BertForPreTraining layout with 'bert.' when heads exist) from an attnlab model."""
+    has_heads = isinstance(model, BertForPreTraining)
+    prefix = "bert." if has_heads else ""
+    out: dict[str, Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        plain = name[len(prefix) :] if name.startswith(prefix) else name
+        tensor = tensor.detach().contiguous()
+        if plain == "mlm.word_embeddings.weight":
+            continue
+        if plain in _TOP_NAMES:
+            out[prefix + _TOP_NAMES[plain]] = tensor
+        elif plain in _HEAD_NAMES:
+            out[_HEAD_NAMES[plain]] = tensor
+        elif match := _LAYER.match(plain):
+            index, rest = match.groups()
+            base = f"{prefix}encoder.layer.{index}."
+            if rest.startswith("self_attn.qkv_proj."):
+                kind = rest.rsplit(".", 1)[1]
+                for part, chunk in zip(
+                    ("query", "key", "value"), tensor.chunk(3, dim=0), strict=True
+                ):
+                    out[f"{base}attention.self.{part}.{kind}"] = chunk.contiguous()
+            else:
+                module, kind = rest.rsplit(".", 1)
+                out[f"{base}{_LAYER_NAMES[module]}.{kind}"] = tensor
+        else:
+            out[f"{prefix}attnlab.{plain}"] = tensor  # attnlab-only (e.g. relative bias table)
+    return out  # the MLM decoder weight and bias are tied in HF too, so they are not saved
+
+
+# ---------------------------------------------------------------------------- directories
+
+
+def read_config(path: Path) -> BertConfig:
+    """BertConfig from DIR/config.json, with one-line errors for every way it can be wrong."""
+    path = Path(path)
+    if not path.exists():
+        raise AttnlabError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise AttnlabError(f"{path} is not a directory: pass a model directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise AttnlabError(f"config.json not found in {path}: is this a BERT checkpoint?")
+    try:
+        data = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise AttnlabError(f"{config_file}: not valid JSON ({err})") from None
+    return config_from_hf(data, str(config_file))
+
+
+def read_weights(path: Path) -> dict[str, Tensor]:
+    """The tensors of DIR/model.safetensors, else DIR/pytorch_model.bin (weights_only)."""
+    path = Path(path)
+    st, legacy = path / "model.safetensors", path / "pytorch_model.bin"
+    try:
+        if st.is_file():
+            return load_file(str(st))
+        if legacy.is_file():
+            state = torch.load(str(legacy), map_location="cpu", weights_only=True)
+            if not isinstance(state, dict):
+                raise AttnlabError(f"{legacy}: expected a state dict")
+            return state
+    except AttnlabError:
+        raise
+    except Exception as err:  # corrupt or truncated file: the libraries raise many types
+        raise AttnlabError(f"cannot read weights in {path}: {str(err).splitlines()[0]}") from None
+    raise AttnlabError(f"no model.safetensors or pytorch_model.bin in {path}")
+
+
+def load_bert(path: str | Path, heads: bool = False) -> BertModel | BertForPreTraining:
+    """A BERT from an HF or attnlab checkpoint directory, in eval mode.
+
+    heads=True builds BertForPreTraining; checkpoints without pretraining heads then get
+    freshly initialised ones.
+    """
+    path = Path(path)
+    config = read_config(path)
+    state = read_weights(path)
+    has_pooler = any(k.endswith("pooler.dense.weight") for k in state)
+    has_heads = any(k.startswith("cls.predictions") for k in state)
+    if heads:
+        model: nn.Module = BertForPreTraining(config)
+        if not has_heads:
+            target = model.bert  # fill the encoder; heads keep their initialisation
+            if not has_pooler:
+                raise AttnlabError(f"checkpoint in {path} has no pooler weights")
+            _load_checked(target, bert_state_from_hf(state, target), path)
+            return model.eval()
+    else:
+        model = BertModel(config, add_pooler=has_pooler)
+    _load_checked(model, bert_state_from_hf(state, model), path)
+    return model.eval()
+
+
+def _load_checked(model: nn.Module, weights: dict[str, Tensor], path: Path) -> None:
+    expected = model.state_dict()
+    for name, tensor in weights.items():
+        if name not in expected:
+            continue
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise AttnlabError(
+                f"weight {name} in {path} has shape {tuple(tensor.shape)}, "
+                f"config.json implies {tuple(expected[name].shape)}"
+            )
+    missing = [
+        n for n in expected if n not in weights and not n.endswith("mlm.word_embeddings.weight")
+    ]
+    if missing:
+        raise AttnlabError(f"checkpoint in {path} is missing weights: {', '.join(missing[:3])}")
+    model.load_state_dict({k: v for k, v in weights.items() if k in expected}, strict=False)
+
+
+def save_bert(
+    model: BertModel | BertForPreTraining,
+    out: str | Path,
+    tokenizer: Any | None = None,
+    overwrite: bool = False,
+    require_hf: bool = False,
+) -> None:
+    """Write model (+ tokenizer) to out in HF layout: config.json, model.safetensors, vocab files.
+
+    The directory appears whole or not at all; an existing non-empty out is refused unless
+    overwrite. require_hf refuses configs HF transformers cannot run.
+    """
+    config = model.config
+    if require_hf and (reason := hf_compatible(config)):
+        raise AttnlabError(f"cannot export to HF format: {reason}")
+    arch = "BertForPreTraining" if isinstance(model, BertForPreTraining) else "BertModel"
+    with staged_dir(Path(out), overwrite) as stage:
+        write_text_atomic(stage / "config.json", json.dumps(config_to_hf(config, arch), indent=2))
+        state = bert_state_to_hf(model)
+        write_with_atomic(
+            stage / "model.safetensors",
+            lambda p: save_file(state, str(p), metadata={"format": "pt"}),
+        )
+        if tokenizer is not None:
+            tokenizer.save(stage)
+
+
+def describe(model: nn.Module) -> dict[str, Any]:
+    """Config and parameter count as a JSON-ready dict."""
+    return {"config": model.config.to_dict(), "parameters": count_parameters(model)}

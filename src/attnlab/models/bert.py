@@ -1,0 +1,235 @@
+"""BERT (Devlin et al. 2019): embeddings, a post-LN GELU encoder, the pooler, pretraining heads.
+
+Read top to bottom like the paper's section 3:
+input representation = token + segment + position embeddings, LayerNorm, dropout (figure 2);
+an encoder of N Transformer layers; the pooler (dense + tanh on [CLS]); the masked-LM head
+(dense + GELU + LayerNorm, then the word-embedding matrix transposed, plus a bias) and the
+next-sentence head (a linear layer on the pooled [CLS]).
+
+Parameter shapes match HF transformers' ``BertModel`` so checkpoints map one-to-one
+(``attnlab.interop.hf``); the only change is that Q, K and V share one fused matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.config import BertConfig
+from attnlab.errors import AttnlabError
+from attnlab.nn.attention import padding_bias
+from attnlab.nn.blocks import ACTIVATION_FUNCTIONS, Encoder
+from attnlab.nn.positions import build_position_encoding
+
+
+@dataclass
+class BertOutput:
+    """What BertModel returns; shapes use (batch, seq, d_model)."""
+
+    last_hidden_state: Tensor
+    pooler_output: Tensor | None
+    hidden_states: list[Tensor] | None = None  # embeddings output, then each layer's output
+    attentions: list[Tensor] | None = None  # per layer: (batch, heads, seq, seq)
+
+
+class BertEmbeddings(nn.Module):
+    """Token + segment (+ absolute position) embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(
+            config.vocab_size, config.d_model, padding_idx=config.pad_token_id
+        )
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.d_model)
+        self.positions = build_position_encoding(
+            config.position_encoding,
+            config.d_model,
+            config.n_heads,
+            config.max_positions,
+            bidirectional=True,
+            relative_buckets=config.relative_buckets,
+            relative_max_distance=config.relative_max_distance,
+            rope_base=config.rope_base,
+        )
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self, input_ids: Tensor, token_type_ids: Tensor, lengths: Tensor | None = None
+    ) -> Tensor:
+        """input_ids, token_type_ids (batch, seq) -> (batch, seq, d_model)."""
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        pos = self.positions.embed(positions, lengths)
+        if pos is not None:
+            x = x + pos
+        return self.dropout(self.norm(x))
+
+
+class BertPooler(nn.Module):
+    """tanh(W h_[CLS] + b): the sentence vector the NSP head (and classifiers) read."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """(batch, seq, d_model) -> (batch, d_model) from position 0."""
+        return torch.tanh(self.dense(hidden[:, 0]))
+
+
+class BertModel(nn.Module):
+    """The BERT encoder: embeddings, N layers, pooler."""
+
+    def __init__(self, config: BertConfig, add_pooler: bool = True) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = Encoder(
+            config.n_layers,
+            norm_position=config.norm_position,
+            d_model=config.d_model,
+            n_heads=config.n_heads,
+            d_ff=config.d_ff,
+            dropout=config.dropout,
+            attention_dropout=config.attention_dropout,
+            activation=config.activation,
+            layer_norm_eps=config.layer_norm_eps,
+        )
+        self.pooler = BertPooler(config) if add_pooler else None
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # BERT's initialiser: N(0, 0.02) weights, zero biases, identity LayerNorm.
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+            if module.padding_idx is not None:
+                module.weight.data[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    def attention_bias(
+        self, attention_mask: Tensor | None, seq_len: int, dtype: torch.dtype
+    ) -> Tensor | None:
+        """The one additive bias every layer shares: padding (batch, 1, 1, seq) + positional (1, heads, seq, seq)."""
+        bias = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            bias = padding_bias(attention_mask, dtype)
+        positions = torch.arange(seq_len, device=self.embeddings.word_embeddings.weight.device)
+        pos_bias = self.embeddings.positions.attention_bias(positions, positions)
+        if pos_bias is not None:
+            pos_bias = pos_bias.to(dtype)
+            bias = pos_bias if bias is None else bias + pos_bias
+        return bias
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        need_weights: bool = False,
+        output_hidden_states: bool = False,
+    ) -> BertOutput:
+        """Encode input_ids (batch, seq); attention_mask defaults to all ones, token_type_ids to zeros."""
+        seq_len = input_ids.shape[1]
+        if seq_len > self.config.max_positions:
+            raise AttnlabError(
+                f"input has {seq_len} tokens but the model takes at most "
+                f"{self.config.max_positions}: truncate it"
+            )
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        lengths = attention_mask.sum(-1) if attention_mask is not None else None
+        x = self.embeddings(input_ids, token_type_ids, lengths)
+        bias = self.attention_bias(attention_mask, seq_len, x.dtype)
+        positions = torch.arange(seq_len, device=input_ids.device)
+        rope = self.embeddings.positions.rotary(positions)
+        x, hidden, weights = self.encoder(
+            x, bias=bias, rope=rope, need_weights=need_weights,
+            output_hidden_states=output_hidden_states,
+        )  # fmt: skip
+        pooled = self.pooler(x) if self.pooler is not None else None
+        return BertOutput(
+            last_hidden_state=x,
+            pooler_output=pooled,
+            hidden_states=hidden if output_hidden_states else None,
+            attentions=weights if need_weights else None,
+        )
+
+
+class BertMLMHead(nn.Module):
+    """Masked-LM head: dense + act + LayerNorm, then logits against the tied word embeddings + bias."""
+
+    def __init__(self, config: BertConfig, word_embeddings: nn.Embedding) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.d_model, config.d_model)
+        self.act = ACTIVATION_FUNCTIONS[config.activation]
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.word_embeddings = word_embeddings  # shared, not a copy: weight tying
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """(..., d_model) -> (..., vocab_size) logits."""
+        h = self.norm(self.act(self.dense(hidden)))
+        return F.linear(h, self.word_embeddings.weight, self.bias)
+
+
+class BertForPreTraining(nn.Module):
+    """BERT with the masked-LM and next-sentence-prediction heads (paper section 3.1)."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config)
+        self.mlm = BertMLMHead(config, self.bert.embeddings.word_embeddings)
+        self.nsp = nn.Linear(config.d_model, 2)  # IsNext / NotNext
+        for module in (self.mlm.dense, self.mlm.norm, self.nsp):
+            self.bert._init_weights(module)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        mlm_labels: Tensor | None = None,
+        nsp_labels: Tensor | None = None,
+    ) -> dict[str, Tensor]:
+        """Logits and, when labels are given, losses.
+
+        With ``mlm_labels`` (batch, seq; -100 = not masked) the vocabulary projection runs only
+        at masked positions (``mlm_logits`` is then (n_masked, vocab)): the other ~85% of
+        positions carry no loss, and the projection is the costliest matmul of the model.
+        Without labels, ``mlm_logits`` covers every position (batch, seq, vocab).
+        """
+        out = self.bert(input_ids, attention_mask, token_type_ids)
+        hidden = out.last_hidden_state
+        result: dict[str, Tensor] = {"nsp_logits": self.nsp(out.pooler_output)}
+        if mlm_labels is None:
+            result["mlm_logits"] = self.mlm(hidden)
+            return result
+        masked = mlm_labels != -100
+        logits = self.mlm(hidden[masked])  # (n_masked, vocab)
+        result["mlm_logits"] = logits
+        loss = F.cross_entropy(logits.float(), mlm_labels[masked]) if logits.numel() else None
+        if loss is None:
+            loss = hidden.sum() * 0.0
+        result["mlm_loss"] = loss
+        if nsp_labels is not None:
+            result["nsp_loss"] = F.cross_entropy(result["nsp_logits"].float(), nsp_labels)
+            loss = loss + result["nsp_loss"]
+        result["loss"] = loss
+        return result
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of distinct parameters (tied weights counted once, as HF counts them)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,181 @@
+"""Attention (Vaswani et al. 2017, section 3.2).
+
+Scaled dot-product attention, eq. (1): ``Attention(Q, K, V) = softmax(QK^T / sqrt(d_k)) V``,
+with an additive bias for padding masks and positional biases, and a causal mask.
+Multi-head attention, section 3.2.2: ``MultiHead(Q, K, V) = Concat(head_1..head_h) W^O``.
+
+Two paths compute the same thing: the fast one calls PyTorch's fused
+``scaled_dot_product_attention``; the explicit one spells out the formula and also returns the
+attention weights (for visualisation). Tests hold them equal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> Tensor:
+    """Boolean (q_len, k_len) mask, True where query i may see key j (j <= i + k_len - q_len).
+
+    Queries are the last ``q_len`` positions of the ``k_len`` keys, as in cached decoding.
+    """
+    offset = k_len - q_len
+    q_pos = torch.arange(q_len, device=device).unsqueeze(1) + offset
+    k_pos = torch.arange(k_len, device=device).unsqueeze(0)
+    return k_pos <= q_pos
+
+
+def padding_bias(attention_mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """Additive bias (batch, 1, 1, k_len) from a 0/1 key mask: 0 where kept, a large negative where padded."""
+    keep = attention_mask.to(torch.bool)[:, None, None, :]
+    bias = torch.zeros(keep.shape, dtype=dtype, device=attention_mask.device)
+    return bias.masked_fill_(~keep, torch.finfo(dtype).min)
+
+
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """softmax(q k^T / sqrt(d_k) + bias) v, optionally causal; returns (output, weights or None).
+
+    q: (batch, heads, q_len, d_head); k, v: (batch, heads, k_len, d_head);
+    bias: additive, broadcastable to (batch, heads, q_len, k_len).
+    """
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    if causal and (bias is not None or q_len != k_len or need_weights):
+        # SDPA's is_causal aligns the mask top-left; cached decoding needs it bottom-right.
+        future = ~causal_mask(q_len, k_len, q.device)
+        causal_bias = torch.zeros(future.shape, dtype=q.dtype, device=q.device)
+        causal_bias.masked_fill_(future, torch.finfo(q.dtype).min)
+        bias = causal_bias if bias is None else bias + causal_bias
+        causal = False
+    if not need_weights:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=causal
+        )
+        return out, None
+    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        scores = scores + bias
+    weights = torch.softmax(scores, dim=-1)
+    probs = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+    return torch.matmul(probs, v), weights
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension (RoPE's 90-degree turn)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    """Rotate (batch, heads, seq, d_head) by the per-position angles in rope=(cos, sin) of (seq, d_head)."""
+    cos, sin = rope
+    return x * cos + rotate_half(x) * sin
+
+
+@dataclass
+class KVCache:
+    """Keys and values of past positions for incremental decoding, one slot per layer.
+
+    ``self_kv`` grows by one position per decoding step; ``cross_kv`` (encoder memory projected
+    to keys/values) is computed once per source and reused at every step.
+    Tensors are (batch, heads, seq, d_head).
+    """
+
+    n_layers: int
+    self_kv: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
+    cross_kv: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.self_kv:
+            self.self_kv = [None] * self.n_layers
+        if not self.cross_kv:
+            self.cross_kv = [None] * self.n_layers
+
+    @property
+    def length(self) -> int:
+        """Number of positions already cached."""
+        first = self.self_kv[0]
+        return 0 if first is None else first[0].shape[2]
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep/duplicate batch rows by index (beam search)."""
+        for slots in (self.self_kv, self.cross_kv):
+            for i, kv in enumerate(slots):
+                if kv is not None:
+                    slots[i] = (kv[0].index_select(0, index), kv[1].index_select(0, index))
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with a fused QKV projection (self) or Q + fused KV (cross)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        dropout: float = 0.0,
+        cross: bool = False,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
+        self.cross, self.dropout = cross, dropout
+        if cross:
+            self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+            self.kv_proj = nn.Linear(d_model, 2 * d_model, bias=bias)
+        else:
+            # One (d_model -> 3 d_model) matmul instead of three smaller ones.
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)  # W^O
+
+    def _heads(self, x: Tensor, n: int) -> tuple[Tensor, ...]:
+        # (batch, seq, n * d_model) -> n tensors of (batch, heads, seq, d_head)
+        b, s, _ = x.shape
+        x = x.view(b, s, n, self.n_heads, self.d_head).permute(2, 0, 3, 1, 4)
+        return x.unbind(0)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None = None,
+        bias: Tensor | None = None,
+        causal: bool = False,
+        rope: tuple[Tensor, Tensor] | None = None,
+        past: tuple[Tensor, Tensor] | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
+        """Attend from x (batch, q_len, d_model) to itself or to memory; returns (out, weights, kv).
+
+        ``past`` holds cached keys/values: for self-attention new ones are appended; for
+        cross-attention they are used as they are (memory may then be None). The returned kv
+        is what a cache should keep.
+        """
+        if self.cross:
+            (q,) = self._heads(self.q_proj(x), 1)
+            if past is not None:
+                k, v = past
+            else:
+                k, v = self._heads(self.kv_proj(memory), 2)
+        else:
+            q, k, v = self._heads(self.qkv_proj(x), 3)
+            if rope is not None:
+                q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+            if past is not None:
+                k = torch.cat((past[0], k), dim=2)
+                v = torch.cat((past[1], v), dim=2)
+        dropout_p = self.dropout if self.training else 0.0
+        out, weights = scaled_dot_product_attention(q, k, v, bias, causal, dropout_p, need_weights)
+        b, _, s, _ = out.shape
+        out = out.transpose(1, 2).reshape(b, s, self.d_model)  # concatenate heads
+        return self.out_proj(out), weights, (k, v)

@@ -1,0 +1,212 @@
+"""Transformer blocks (Vaswani et al. 2017, section 3.1 and 3.3; MISSION M3).
+
+- Position-wise feed-forward, eq. (2): ``FFN(x) = act(x W1 + b1) W2 + b2``.
+- Residual + LayerNorm in both arrangements: post-LN ``LN(x + Sublayer(x))`` (the paper, BERT)
+  and pre-LN ``x + Sublayer(LN(x))`` (GPT-2 and later; trains without warm-up tricks, and its
+  stack ends with one more LayerNorm).
+- Encoder layer: self-attention + FFN. Decoder layer: masked self-attention + cross-attention
+  over the encoder output + FFN. Stacks of N layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.nn.attention import KVCache, MultiHeadAttention
+
+ACTIVATION_FUNCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu": F.gelu,  # exact (erf) GELU, as BERT and HF's "gelu"
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,  # the Transformer paper
+}
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = act(x W1 + b1) W2 + b2, applied to each position alike."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "relu") -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, d_ff)
+        self.fc2 = nn.Linear(d_ff, d_model)
+        self.act = ACTIVATION_FUNCTIONS[activation]
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(batch, seq, d_model) -> (batch, seq, d_model)."""
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then feed-forward, each wrapped in residual + LayerNorm (post or pre)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        activation: str = "relu",
+        norm_position: str = "post",
+        layer_norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        self.pre_norm = norm_position == "pre"
+        self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.ffn = FeedForward(d_model, d_ff, activation)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(
+        self,
+        x: Tensor,
+        bias: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """x (batch, seq, d_model) -> (same shape, attention weights (batch, heads, seq, seq) or None)."""
+        h = self.norm1(x) if self.pre_norm else x
+        h, weights, _ = self.self_attn(h, bias=bias, rope=rope, need_weights=need_weights)
+        x = x + self.dropout(h) if self.pre_norm else self.norm1(x + self.dropout(h))
+        h = self.ffn(self.norm2(x) if self.pre_norm else x)
+        x = x + self.dropout(h) if self.pre_norm else self.norm2(x + self.dropout(h))
+        return x, weights
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, cross-attention to the encoder output, feed-forward."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        activation: str = "relu",
+        norm_position: str = "post",
+        layer_norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        self.pre_norm = norm_position == "pre"
+        self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.cross_attn = MultiHeadAttention(d_model, n_heads, attention_dropout, cross=True)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.ffn = FeedForward(d_model, d_ff, activation)
+        self.norm3 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.dropout = nn.Dropout(dropout)
+
+    def _residual(self, x: Tensor, h: Tensor, norm: nn.LayerNorm) -> Tensor:
+        return x + self.dropout(h) if self.pre_norm else norm(x + self.dropout(h))
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None,
+        self_bias: Tensor | None = None,
+        memory_bias: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        cache: KVCache | None = None,
+        index: int = 0,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """x (batch, tgt, d_model), memory (batch, src, d_model) -> (x, self weights, cross weights).
+
+        With a cache, x holds only the new positions; layer ``index``'s slots are read and updated.
+        """
+        past = cache.self_kv[index] if cache is not None else None
+        h = self.norm1(x) if self.pre_norm else x
+        h, self_w, kv = self.self_attn(
+            h, bias=self_bias, causal=True, rope=rope, past=past, need_weights=need_weights
+        )
+        if cache is not None:
+            cache.self_kv[index] = kv
+        x = self._residual(x, h, self.norm1)
+
+        past = cache.cross_kv[index] if cache is not None else None
+        h = self.norm2(x) if self.pre_norm else x
+        h, cross_w, kv = self.cross_attn(
+            h, memory=memory, bias=memory_bias, past=past, need_weights=need_weights
+        )
+        if cache is not None:
+            cache.cross_kv[index] = kv
+        x = self._residual(x, h, self.norm2)
+
+        h = self.ffn(self.norm3(x) if self.pre_norm else x)
+        return self._residual(x, h, self.norm3), self_w, cross_w
+
+
+class Encoder(nn.Module):
+    """A stack of N encoder layers (plus a final LayerNorm in the pre-LN arrangement)."""
+
+    def __init__(self, n_layers: int, norm_position: str = "post", **layer_args: object) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            EncoderLayer(norm_position=norm_position, **layer_args) for _ in range(n_layers)
+        )
+        d_model, eps = layer_args["d_model"], layer_args.get("layer_norm_eps", 1e-5)
+        self.final_norm = nn.LayerNorm(d_model, eps=eps) if norm_position == "pre" else None
+
+    def forward(
+        self,
+        x: Tensor,
+        bias: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        need_weights: bool = False,
+        output_hidden_states: bool = False,
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """Run every layer; returns (last hidden state, hidden states per layer, attention weights per layer).
+
+        The bias (padding and positional) is built once by the caller and shared by all layers.
+        """
+        hidden, weights = [], []
+        for layer in self.layers:
+            if output_hidden_states:
+                hidden.append(x)
+            x, w = layer(x, bias=bias, rope=rope, need_weights=need_weights)
+            if need_weights:
+                weights.append(w)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if output_hidden_states:
+            hidden.append(x)
+        return x, hidden, weights
+
+
+class Decoder(nn.Module):
+    """A stack of N decoder layers (plus a final LayerNorm in the pre-LN arrangement)."""
+
+    def __init__(self, n_layers: int, norm_position: str = "post", **layer_args: object) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            DecoderLayer(norm_position=norm_position, **layer_args) for _ in range(n_layers)
+        )
+        d_model, eps = layer_args["d_model"], layer_args.get("layer_norm_eps", 1e-5)
+        self.final_norm = nn.LayerNorm(d_model, eps=eps) if norm_position == "pre" else None
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None,
+        self_bias: Tensor | None = None,
+        memory_bias: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        cache: KVCache | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """Run every layer; returns (output, self-attention weights, cross-attention weights)."""
+        self_ws, cross_ws = [], []
+        for i, layer in enumerate(self.layers):
+            x, sw, cw = layer(
+                x, memory, self_bias, memory_bias, rope, cache, i, need_weights=need_weights
+            )
+            if need_weights:
+                self_ws.append(sw)
+                cross_ws.append(cw)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return x, self_ws, cross_ws

@@ -1,0 +1,228 @@
+"""Positional information (MISSION M2): every scheme behind one small interface.
+
+Self-attention is order-blind, so position must enter somewhere. The schemes differ in *where*:
+
+- added to the token embeddings: ``sinusoidal`` (Vaswani et al. 2017, section 3.5:
+  PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...)), ``learned`` (BERT), and
+  the two teaching baselines the design notes reject: ``normalized`` (pos / (length - 1) in
+  [0, 1], so one position gets a different code in sentences of different length) and
+  ``integer`` (1, 2, ..., n, whose magnitude swamps the token embedding in long sentences);
+- added to the attention scores: ``relative_bias`` (T5, Raffel et al. 2020: a learned scalar
+  per head and log-spaced distance bucket) and ``alibi`` (Press et al. 2022: -slope_h * |i - j|);
+- rotating queries and keys: ``rope`` (Su et al. 2021), so q_m . k_n depends on n - m only.
+
+A model asks each hook once per forward pass; a hook that does not apply returns None.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.errors import AttnlabError
+
+
+class PositionEncoding(nn.Module):
+    """Base scheme: no positional information at all (every hook returns None)."""
+
+    def embed(self, positions: Tensor, lengths: Tensor | None = None) -> Tensor | None:
+        """Vectors to add to token embeddings: positions (seq,) -> (seq, d_model), or None.
+
+        ``lengths`` (batch,) is the unpadded length of each sequence (only ``normalized`` uses it).
+        """
+        return None
+
+    def attention_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
+        """Additive score bias (1, heads, q_len, k_len) for these query/key positions, or None."""
+        return None
+
+    def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor] | None:
+        """(cos, sin), each (seq, d_head), that rotate queries and keys, or None."""
+        return None
+
+
+def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
+    """The paper's fixed table (n_positions, d_model): sin on even dims, cos on odd dims."""
+    position = torch.arange(n_positions, dtype=torch.float64).unsqueeze(1)
+    inv_freq = torch.pow(10000.0, -torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    table = torch.zeros(n_positions, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq[: d_model // 2])
+    return table.float()
+
+
+def _check_range(positions: Tensor, max_positions: int) -> None:
+    if positions.numel() and int(positions.max()) >= max_positions:
+        raise AttnlabError(
+            f"position {int(positions.max())} is past max_positions ({max_positions}): "
+            "truncate the input or build the model with a larger max_positions"
+        )
+
+
+class SinusoidalPositions(PositionEncoding):
+    """Fixed sine/cosine codes added to the embeddings (not trained)."""
+
+    def __init__(self, d_model: int, max_positions: int) -> None:
+        super().__init__()
+        self.max_positions = max_positions
+        self.register_buffer("table", sinusoidal_table(max_positions, d_model), persistent=False)
+
+    def embed(self, positions: Tensor, lengths: Tensor | None = None) -> Tensor:
+        _check_range(positions, self.max_positions)
+        return self.table[positions]
+
+
+class LearnedPositions(PositionEncoding):
+    """One trained vector per absolute position (BERT's position_embeddings)."""
+
+    def __init__(self, d_model: int, max_positions: int) -> None:
+        super().__init__()
+        self.max_positions = max_positions
+        self.weight = nn.Parameter(torch.empty(max_positions, d_model).normal_(std=0.02))
+
+    def embed(self, positions: Tensor, lengths: Tensor | None = None) -> Tensor:
+        _check_range(positions, self.max_positions)
+        return self.weight[positions]
+
+
+class NormalizedPositions(PositionEncoding):
+    """Teaching baseline: the scalar pos / (length - 1), added to every dimension."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.d_model = d_model
+
+    def embed(self, positions: Tensor, lengths: Tensor | None = None) -> Tensor:
+        pos = positions.float()
+        if lengths is None:
+            lengths = torch.full((1,), positions.shape[-1], device=positions.device)
+        denom = (lengths.float() - 1).clamp(min=1).unsqueeze(-1)  # (batch, 1)
+        value = (pos / denom).clamp(max=1.0)  # (batch, seq)
+        return value.unsqueeze(-1).expand(*value.shape, self.d_model)
+
+
+class IntegerPositions(PositionEncoding):
+    """Teaching baseline: the raw position number 1..n, added to every dimension."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.d_model = d_model
+
+    def embed(self, positions: Tensor, lengths: Tensor | None = None) -> Tensor:
+        value = positions.float() + 1
+        return value.unsqueeze(-1).expand(*value.shape, self.d_model)
+
+
+def relative_buckets(
+    relative: Tensor, n_buckets: int, max_distance: int, bidirectional: bool
+) -> Tensor:
+    """T5's bucket of each key-minus-query offset: exact for small offsets, log-spaced up to max_distance."""
+    bucket = torch.zeros_like(relative)
+    if bidirectional:
+        n_buckets //= 2
+        bucket = bucket + (relative > 0).long() * n_buckets  # the sign gets its own half
+        distance = relative.abs()
+    else:
+        distance = (-relative).clamp(min=0)  # only the past is visible
+    exact = n_buckets // 2
+    is_small = distance < exact
+    log_ratio = torch.log(distance.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+    large = exact + (log_ratio * (n_buckets - exact)).long()
+    large = large.clamp(max=n_buckets - 1)
+    return bucket + torch.where(is_small, distance, large)
+
+
+class RelativePositionBias(PositionEncoding):
+    """T5 relative position bias: a learned scalar per (head, distance bucket), shared by all layers."""
+
+    def __init__(
+        self, n_heads: int, n_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True
+    ) -> None:
+        super().__init__()
+        self.n_buckets, self.max_distance, self.bidirectional = (
+            n_buckets,
+            max_distance,
+            bidirectional,
+        )
+        self.bias = nn.Embedding(n_buckets, n_heads)
+        nn.init.normal_(self.bias.weight, std=0.02)
+
+    def attention_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        relative = k_positions[None, :] - q_positions[:, None]  # (q, k)
+        buckets = relative_buckets(relative, self.n_buckets, self.max_distance, self.bidirectional)
+        return self.bias(buckets).permute(2, 0, 1).unsqueeze(0)  # (1, heads, q, k)
+
+
+def alibi_slopes(n_heads: int) -> Tensor:
+    """ALiBi's head slopes: the geometric sequence 2^(-8/n), 2^(-16/n), ... (interleaved if n is not a power of 2)."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-8 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        return torch.tensor(power_of_two(n_heads))
+    closest = 2 ** math.floor(math.log2(n_heads))
+    extra = power_of_two(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(power_of_two(closest) + extra)
+
+
+class ALiBi(PositionEncoding):
+    """Attention with linear biases: score(i, j) -= slope_h * |i - j|; nothing is learned."""
+
+    def __init__(self, n_heads: int) -> None:
+        super().__init__()
+        self.register_buffer("slopes", alibi_slopes(n_heads), persistent=False)
+
+    def attention_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        distance = (k_positions[None, :] - q_positions[:, None]).abs().float()  # (q, k)
+        return (-self.slopes[:, None, None] * distance).unsqueeze(0)
+
+
+class RotaryPositions(PositionEncoding):
+    """RoPE: rotate each pair of query/key dims by angle pos * base^(-2i/d_head)."""
+
+    def __init__(self, d_head: int, base: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = base ** (-torch.arange(0, d_head, 2, dtype=torch.float32) / d_head)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        angles = positions.float()[:, None] * self.inv_freq[None, :]  # (seq, d_head / 2)
+        angles = torch.cat((angles, angles), dim=-1)  # pairs (i, i + d/2), see rotate_half
+        return angles.cos(), angles.sin()
+
+
+def build_position_encoding(
+    name: str,
+    d_model: int,
+    n_heads: int,
+    max_positions: int,
+    bidirectional: bool = True,
+    relative_buckets: int = 32,
+    relative_max_distance: int = 128,
+    rope_base: float = 10000.0,
+) -> PositionEncoding:
+    """The scheme called name, sized for this model."""
+    if name == "learned":
+        return LearnedPositions(d_model, max_positions)
+    if name == "sinusoidal":
+        return SinusoidalPositions(d_model, max_positions)
+    if name == "normalized":
+        return NormalizedPositions(d_model)
+    if name == "integer":
+        return IntegerPositions(d_model)
+    if name == "relative_bias":
+        return RelativePositionBias(n_heads, relative_buckets, relative_max_distance, bidirectional)
+    if name == "alibi":
+        return ALiBi(n_heads)
+    if name == "rope":
+        return RotaryPositions(d_model // n_heads, rope_base)
+    if name == "none":
+        return PositionEncoding()
+    raise AttnlabError(
+        f"unknown position encoding {name!r} (choose from learned, sinusoidal, relative_bias, "
+        "rope, alibi, normalized, integer, none)"
+    )

@@ -1,0 +1,488 @@
+"""BERT's WordPiece tokenizer (Devlin et al. 2019, §3 "Input/Output Representations").
+
+Every step runs in HF `tokenizers`: `BertNormalizer` (clean text, spaces around CJK
+characters, lowercase, strip accents), `BertPreTokenizer` (split on whitespace and
+punctuation), greedy longest-match-first `WordPiece` with the `##` continuation prefix,
+and a template that builds `[CLS] A [SEP]` or `[CLS] A [SEP] B [SEP]` with segment
+(token type) ids 0 for A and 1 for B. Ids match `transformers.BertTokenizerFast`
+token for token, truncation included (its `longest_first` strategy), which the tests check.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import tokenizers
+from tokenizers import (
+    AddedToken,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+
+from attnlab.errors import AttnlabError
+
+PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
+# The order also fixes the ids of a newly trained vocabulary: [PAD]=0 ... [MASK]=4.
+SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)
+
+# Google's BERT gives up on longer words and emits [UNK]; HF does the same.
+MAX_INPUT_CHARS_PER_WORD = 100
+# transformers stores int(1e30) as model_max_length when a checkpoint sets no limit.
+_NO_LIMIT = 10**12
+# Each distinct max_length gets its own truncating copy of the backend; a few suffice.
+_MAX_TRUNCATING_BACKENDS = 8
+
+
+@dataclass
+class Encoding:
+    """Model input for one text or text pair."""
+
+    ids: list[int]
+    type_ids: list[int]
+    truncated: bool  # True when truncation removed tokens
+
+
+class BertTokenizer:
+    """BERT WordPiece tokenizer (HF `tokenizers` underneath)."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        lowercase: bool,
+        strip_accents: bool | None,
+        tokenize_chinese_chars: bool,
+        max_length: int = 512,
+    ) -> None:
+        """Wrap a WordPiece `backend`, installing BERT's normalizer, template and decoder on it.
+
+        The tokenizer takes ownership of `backend` and reconfigures it in place: the flags
+        given here decide normalisation (as `tokenizer_config.json` does in transformers),
+        and any padding or truncation stored in it is cleared.
+        """
+        if not isinstance(backend.model, models.WordPiece):
+            raise AttnlabError(
+                f"BertTokenizer needs a WordPiece model, got {type(backend.model).__name__}"
+            )
+        missing = [token for token in SPECIAL_TOKENS if backend.token_to_id(token) is None]
+        if missing:
+            raise AttnlabError(f"vocabulary lacks BERT's special tokens {', '.join(missing)}")
+        if backend.model.unk_token != UNK:
+            raise AttnlabError(
+                f"WordPiece unk_token is {backend.model.unk_token!r}, expected {UNK}"
+            )
+        _check_max_length(max_length, "max_length")
+
+        self._lowercase = lowercase
+        self._strip_accents = strip_accents
+        self._tokenize_chinese_chars = tokenize_chinese_chars
+        self.max_length = max_length
+
+        # Registered as special added tokens so that "[MASK]" typed in text stays one token
+        # and decode(skip_special_tokens=True) drops them, as in transformers.
+        backend.add_special_tokens(
+            [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS]
+        )
+        ids = {token: backend.token_to_id(token) for token in SPECIAL_TOKENS}
+        backend.normalizer = normalizers.BertNormalizer(
+            clean_text=True,
+            handle_chinese_chars=tokenize_chinese_chars,
+            strip_accents=strip_accents,
+            lowercase=lowercase,
+        )
+        backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{CLS}:0 $A:0 {SEP}:0",
+            pair=f"{CLS}:0 $A:0 {SEP}:0 $B:1 {SEP}:1",
+            special_tokens=[(CLS, ids[CLS]), (SEP, ids[SEP])],
+        )
+        backend.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+        backend.no_padding()
+        backend.no_truncation()
+        self._backend = backend
+
+        self._pad_id, self._unk_id = ids[PAD], ids[UNK]
+        self._cls_id, self._sep_id, self._mask_id = ids[CLS], ids[SEP], ids[MASK]
+        self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        # Truncation is a setting of a `tokenizers.Tokenizer`, not an argument of encode:
+        # rather than flip it on the shared backend (a race between threads), each
+        # max_length gets a truncating copy that is never changed after it is built.
+        self._truncating: dict[int, tokenizers.Tokenizer] = {}
+        self._truncating_lock = threading.Lock()
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_vocab(
+        cls,
+        vocab: str | Path | dict[str, int],
+        lowercase: bool = True,
+        strip_accents: bool | None = None,
+        tokenize_chinese_chars: bool = True,
+        max_length: int = 512,
+    ) -> BertTokenizer:
+        """Build a tokenizer from a vocab.txt path or a token -> id mapping."""
+        if not isinstance(vocab, dict):
+            vocab = _read_vocab_txt(Path(vocab))
+        model = models.WordPiece(
+            dict(vocab), unk_token=UNK, max_input_chars_per_word=MAX_INPUT_CHARS_PER_WORD
+        )
+        return cls(
+            tokenizers.Tokenizer(model),
+            lowercase,
+            strip_accents,
+            tokenize_chinese_chars,
+            max_length,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path, max_length: int | None = None) -> BertTokenizer:
+        """Load the tokenizer of a BERT checkpoint directory (HF layout)."""
+        root = Path(path)
+        if not root.is_dir():
+            raise AttnlabError(f"{root} is not a directory: expected a BERT checkpoint directory")
+        config_path = root / "tokenizer_config.json"
+        config = _read_json(config_path) if config_path.is_file() else {}
+        if not isinstance(config, dict):
+            raise AttnlabError(f"{config_path} does not hold a JSON object")
+
+        tokenizer_json, vocab_txt = root / "tokenizer.json", root / "vocab.txt"
+        if tokenizer_json.is_file():
+            try:
+                backend = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+            except Exception as error:  # tokenizers raises plain Exception on bad JSON
+                raise AttnlabError(f"cannot read {tokenizer_json}: {error}") from error
+            if not isinstance(backend.model, models.WordPiece):
+                raise AttnlabError(
+                    f"{tokenizer_json} holds a {type(backend.model).__name__} model, "
+                    "not WordPiece: is this a BERT checkpoint?"
+                )
+        elif vocab_txt.is_file():
+            backend = tokenizers.Tokenizer(
+                models.WordPiece(
+                    _read_vocab_txt(vocab_txt),
+                    unk_token=UNK,
+                    max_input_chars_per_word=MAX_INPUT_CHARS_PER_WORD,
+                )
+            )
+        else:
+            raise AttnlabError(
+                f"no vocab.txt or tokenizer.json in {root}: is this a BERT checkpoint?"
+            )
+
+        # Defaults of transformers' BertTokenizer; tokenizer_config.json overrides them and
+        # wins over the normalizer stored in tokenizer.json, exactly as in transformers.
+        lowercase = _config_value(config, "do_lower_case", True, config_path)
+        strip_accents = _config_value(config, "strip_accents", None, config_path)
+        chinese = _config_value(config, "tokenize_chinese_chars", True, config_path)
+        if max_length is None:
+            stored = config.get("model_max_length")
+            ok = isinstance(stored, int) and not isinstance(stored, bool) and 0 < stored < _NO_LIMIT
+            max_length = stored if ok else 512
+        return cls(backend, lowercase, strip_accents, chinese, max_length)
+
+    # ---- encoding -----------------------------------------------------------------------
+
+    def encode(self, text: str, pair: str | None = None, max_length: int | None = None) -> Encoding:
+        """Encode `text` (and `pair`) as [CLS] A [SEP] (B [SEP]), truncated to max_length."""
+        backend = self._truncating_backend(max_length, pair is not None)
+        return _to_encoding(backend.encode(text, pair))
+
+    def encode_batch(
+        self, texts: list[str], pairs: list[str] | None = None, max_length: int | None = None
+    ) -> list[Encoding]:
+        """Encode many texts (or text pairs) in parallel; same result as encode on each."""
+        if pairs is None:
+            inputs: list = list(texts)
+        else:
+            if len(pairs) != len(texts):
+                raise AttnlabError(f"got {len(texts)} texts but {len(pairs)} pairs")
+            inputs = list(zip(texts, pairs, strict=True))
+        backend = self._truncating_backend(max_length, pairs is not None)
+        return [_to_encoding(encoding) for encoding in backend.encode_batch(inputs)]
+
+    def tokenize(self, text: str) -> list[str]:
+        """Split `text` into WordPiece tokens, without special tokens or truncation."""
+        return self._backend.encode(text, add_special_tokens=False).tokens
+
+    def convert_tokens_to_ids(self, tokens: list[str]) -> list[int]:
+        """Map tokens to ids; unknown tokens map to the [UNK] id."""
+        ids = []
+        for token in tokens:
+            token_id = self._backend.token_to_id(token)
+            ids.append(self._unk_id if token_id is None else token_id)
+        return ids
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        """Map ids to tokens."""
+        self._check_ids(ids)
+        return [self._backend.id_to_token(token_id) for token_id in ids]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Turn ids back into text, joining ## continuations (lowercasing is not undone)."""
+        self._check_ids(ids)
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # ---- saving -------------------------------------------------------------------------
+
+    def save(self, out_dir: str | Path) -> None:
+        """Write vocab.txt, tokenizer.json and tokenizer_config.json loadable by transformers."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        vocab = self._backend.get_vocab(with_added_tokens=False)
+        tokens = sorted(vocab, key=vocab.__getitem__)
+        if [vocab[token] for token in tokens] != list(range(len(tokens))):
+            raise AttnlabError("cannot write vocab.txt: the vocabulary ids are not 0..N-1")
+        bad = [token for token in tokens if "\n" in token or "\r" in token]
+        if bad:
+            raise AttnlabError(f"cannot write vocab.txt: token {bad[0]!r} holds a line break")
+        config = {
+            "tokenizer_class": "BertTokenizer",
+            "do_lower_case": self._lowercase,
+            "strip_accents": self._strip_accents,
+            "tokenize_chinese_chars": self._tokenize_chinese_chars,
+            "model_max_length": self.max_length,
+            "pad_token": PAD,
+            "unk_token": UNK,
+            "cls_token": CLS,
+            "sep_token": SEP,
+            "mask_token": MASK,
+        }
+        _write_atomic(out / "vocab.txt", "".join(token + "\n" for token in tokens))
+        _write_atomic(out / "tokenizer.json", self._backend.to_str(pretty=True))
+        _write_atomic(out / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+
+    # ---- vocabulary -----------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included (the embedding table's row count)."""
+        return self._vocab_size
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        """Token -> id mapping (a copy)."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
+    @property
+    def pad_id(self) -> int:
+        """Id of [PAD]."""
+        return self._pad_id
+
+    @property
+    def cls_id(self) -> int:
+        """Id of [CLS]."""
+        return self._cls_id
+
+    @property
+    def sep_id(self) -> int:
+        """Id of [SEP]."""
+        return self._sep_id
+
+    @property
+    def mask_id(self) -> int:
+        """Id of [MASK]."""
+        return self._mask_id
+
+    @property
+    def unk_id(self) -> int:
+        """Id of [UNK]."""
+        return self._unk_id
+
+    @property
+    def special_ids(self) -> set[int]:
+        """Ids of [PAD], [UNK], [CLS], [SEP] and [MASK]."""
+        return {self._pad_id, self._unk_id, self._cls_id, self._sep_id, self._mask_id}
+
+    @property
+    def lowercase(self) -> bool:
+        """Whether text is lowercased before WordPiece."""
+        return self._lowercase
+
+    @property
+    def strip_accents(self) -> bool | None:
+        """Whether accents are stripped; None follows `lowercase`, as in BERT."""
+        return self._strip_accents
+
+    @property
+    def tokenize_chinese_chars(self) -> bool:
+        """Whether each CJK ideograph becomes a word of its own."""
+        return self._tokenize_chinese_chars
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The untruncated `tokenizers.Tokenizer` (for offsets, word ids); do not reconfigure it."""
+        return self._backend
+
+    def __repr__(self) -> str:
+        return (
+            f"BertTokenizer(vocab_size={self._vocab_size}, lowercase={self._lowercase}, "
+            f"strip_accents={self._strip_accents}, "
+            f"tokenize_chinese_chars={self._tokenize_chinese_chars}, max_length={self.max_length})"
+        )
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _truncating_backend(self, max_length: int | None, is_pair: bool) -> tokenizers.Tokenizer:
+        """A copy of the backend that truncates to max_length (default self.max_length)."""
+        max_length = self.max_length if max_length is None else max_length
+        # Below the count of special tokens, tokenizers silently skips truncation.
+        _check_max_length(max_length, "max_length", minimum=3 if is_pair else 2)
+        backend = self._truncating.get(max_length)
+        if backend is not None:
+            return backend
+        with self._truncating_lock:
+            backend = self._truncating.get(max_length)
+            if backend is None:
+                backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
+                backend.enable_truncation(max_length, stride=0, strategy="longest_first")
+                if len(self._truncating) >= _MAX_TRUNCATING_BACKENDS:
+                    self._truncating.pop(next(iter(self._truncating)))
+                self._truncating[max_length] = backend
+        return backend
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        """Raise for ids outside the vocabulary (tokenizers would drop them silently)."""
+        for token_id in ids:
+            if not 0 <= token_id < self._vocab_size:
+                raise AttnlabError(
+                    f"token id {token_id} is outside the vocabulary (size {self._vocab_size})"
+                )
+
+
+def _to_encoding(encoding: tokenizers.Encoding) -> Encoding:
+    """Our Encoding from a (truncating) backend's; overflow is what truncation cut off."""
+    return Encoding(encoding.ids, encoding.type_ids, len(encoding.overflowing) > 0)
+
+
+def _check_max_length(value: object, name: str, minimum: int = 2) -> None:
+    """Raise unless `value` is an int >= minimum (room for [CLS] and [SEP])."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise AttnlabError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _read_vocab_txt(path: Path) -> dict[str, int]:
+    """Read vocab.txt (one token a line, id = line number - 1) with tokenizers' reader."""
+    if not path.is_file():
+        raise AttnlabError(f"vocab file {path} not found")
+    try:
+        return models.WordPiece.read_file(str(path))
+    except Exception as error:  # tokenizers raises plain Exception on bad files
+        raise AttnlabError(f"cannot read vocab file {path}: {error}") from error
+
+
+def _read_json(path: Path) -> object:
+    """Parse a JSON file, naming it in any error."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise AttnlabError(f"cannot read {path}: {error}") from error
+
+
+def _config_value(config: dict, key: str, default: bool | None, path: Path) -> bool | None:
+    """A boolean (or null) setting of tokenizer_config.json, or its default."""
+    value = config.get(key, default)
+    if value is not None and not isinstance(value, bool):
+        raise AttnlabError(f"{path}: {key} must be true, false or null, got {value!r}")
+    return value
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` so readers see the old file or the new one, never a partial one."""
+    # A plain open (not mkstemp, which makes files 0600) keeps the usual umask permissions.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+# ---- training ---------------------------------------------------------------------------
+
+
+def train_wordpiece(
+    files: list[str | Path],
+    vocab_size: int,
+    lowercase: bool = True,
+    strip_accents: bool | None = None,
+    min_frequency: int = 2,
+    limit_alphabet: int = 6000,
+) -> BertTokenizer:
+    """Train a new WordPiece vocabulary on UTF-8 text files (.gz allowed), one text a line.
+
+    Specials take ids [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4; CJK ideographs are
+    split one per token, so each one seen in the corpus becomes a token of its own.
+    """
+    paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
+    if not paths:
+        raise AttnlabError("train_wordpiece needs at least one corpus file")
+    for path in paths:
+        if not path.is_file():
+            raise AttnlabError(f"corpus file {path} not found")
+    _check_max_length(vocab_size, "vocab_size", minimum=len(SPECIAL_TOKENS) + 2)
+
+    backend = tokenizers.Tokenizer(
+        models.WordPiece(unk_token=UNK, max_input_chars_per_word=MAX_INPUT_CHARS_PER_WORD)
+    )
+    backend.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=strip_accents, lowercase=lowercase
+    )
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    # The trainer puts each alphabet character in the vocabulary twice (c and ##c) before
+    # any merge and never drops them, so a large alphabet would overshoot vocab_size.
+    alphabet = min(limit_alphabet, (vocab_size - len(SPECIAL_TOKENS)) // 2)
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        limit_alphabet=alphabet,
+        continuing_subword_prefix="##",
+        show_progress=False,
+    )
+    backend.train_from_iterator(_corpus_batches(paths), trainer=trainer)
+
+    vocab = backend.get_vocab(with_added_tokens=True)
+    if len(vocab) <= len(SPECIAL_TOKENS):
+        names = ", ".join(str(path) for path in paths)
+        raise AttnlabError(f"corpus {names} holds no text to learn a vocabulary from")
+    return BertTokenizer.from_vocab(vocab, lowercase=lowercase, strip_accents=strip_accents)
+
+
+def _corpus_batches(paths: list[Path], batch_size: int = 1000) -> Iterator[list[str]]:
+    """Yield the corpus lines in batches, raising AttnlabError at the first non-UTF-8 line."""
+    batch: list[str] = []
+    for path in paths:
+        # Decode line by line ourselves: the error can then name the line.
+        opener = gzip.open if path.suffix == ".gz" else open
+        try:
+            with opener(path, "rb") as stream:
+                for line_number, raw in enumerate(stream, start=1):
+                    try:
+                        batch.append(raw.decode("utf-8"))
+                    except UnicodeDecodeError as error:
+                        raise AttnlabError(
+                            f"{path}, line {line_number}: not valid UTF-8 "
+                            f"(byte {raw[error.start]:#04x} at column {error.start + 1})"
+                        ) from error
+                    if len(batch) == batch_size:
+                        yield batch
+                        batch = []
+        except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
+            raise AttnlabError(f"cannot read corpus file {path}: {error}") from error
+    if batch:
+        yield batch

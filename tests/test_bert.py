@@ -1,0 +1,211 @@
+"""BERT: parity with HF transformers on a real checkpoint, presets, defaults, export both ways."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import VARIED_SENTENCES
+
+from attnlab.config import POSITION_ENCODINGS, BertConfig
+from attnlab.errors import AttnlabError
+from attnlab.interop.hf import load_bert, save_bert
+from attnlab.models.bert import BertForPreTraining, BertModel, count_parameters
+
+
+def _batch(hf_tokenizer, pairs: bool = False):
+    if pairs:
+        a, b = VARIED_SENTENCES[:4], VARIED_SENTENCES[4:]
+        return hf_tokenizer(a, b, padding=True, return_tensors="pt")
+    return hf_tokenizer(VARIED_SENTENCES, padding=True, return_tensors="pt")
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_minilm_hidden_states_match_hf(minilm_dir, hf_minilm, hf_tokenizer, pairs):
+    batch = _batch(hf_tokenizer, pairs)
+    assert (batch["attention_mask"] == 0).any(), "the batch must contain padding"
+    ours = load_bert(minilm_dir)
+    with torch.no_grad():
+        ref = hf_minilm(**batch)
+        out = ours(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    real = batch["attention_mask"].bool()
+    diff = (ref.last_hidden_state - out.last_hidden_state)[real].abs().max().item()
+    assert diff <= 1e-5
+    assert (ref.pooler_output - out.pooler_output).abs().max().item() <= 1e-5
+
+
+def test_minilm_attention_weights_match_hf(minilm_dir, hf_tokenizer):
+    from transformers import BertModel as HFBertModel
+
+    hf = HFBertModel.from_pretrained(str(minilm_dir), attn_implementation="eager").eval()
+    batch = _batch(hf_tokenizer)
+    ours = load_bert(minilm_dir)
+    with torch.no_grad():
+        ref = hf(**batch, output_attentions=True, output_hidden_states=True)
+        out = ours(
+            batch["input_ids"],
+            batch["attention_mask"],
+            need_weights=True,
+            output_hidden_states=True,
+        )
+    assert len(out.attentions) == len(ref.attentions) == 6
+    for a, b in zip(out.attentions, ref.attentions, strict=True):
+        assert (a - b).abs().max().item() <= 1e-5
+    assert len(out.hidden_states) == len(ref.hidden_states) == 7
+    real = batch["attention_mask"].bool()
+    for a, b in zip(out.hidden_states, ref.hidden_states, strict=True):
+        assert (a - b)[real].abs().max().item() <= 1e-5
+
+
+def test_defaults_token_types_zero_and_mask_ones(minilm_dir, hf_minilm, hf_tokenizer):
+    ids = hf_tokenizer(["a sentence with no padding at all"], return_tensors="pt")["input_ids"]
+    ours = load_bert(minilm_dir)
+    with torch.no_grad():
+        implicit = ours(ids).last_hidden_state
+        explicit = ours(ids, torch.ones_like(ids), torch.zeros_like(ids)).last_hidden_state
+        ref = hf_minilm(input_ids=ids).last_hidden_state
+    assert torch.equal(implicit, explicit)
+    assert (implicit - ref).abs().max().item() <= 1e-5
+
+
+def test_too_long_input_is_a_clear_error():
+    model = BertModel(BertConfig.preset("bert-tiny", max_positions=16)).eval()
+    with pytest.raises(AttnlabError, match="at most 16"):
+        model(torch.ones(1, 17, dtype=torch.long))
+
+
+def _hf_count(config: BertConfig) -> int:
+    from transformers import BertConfig as HFConfig
+    from transformers import BertForPreTraining as HFPreTraining
+
+    from attnlab.interop.hf import config_to_hf
+
+    with torch.device("meta"):
+        return HFPreTraining(HFConfig(**config_to_hf(config))).num_parameters()
+
+
+@pytest.mark.parametrize(
+    ("preset", "expected", "tolerance"),
+    [("bert-base", 110_000_000, 1_000_000), ("bert-large", 335_000_000, 2_000_000)],
+)
+def test_preset_parameter_counts(preset, expected, tolerance):
+    config = BertConfig.preset(preset)
+    with torch.device("meta"):
+        model = BertForPreTraining(config)
+    ours = count_parameters(model)
+    assert abs(ours - expected) <= tolerance
+    assert ours == _hf_count(config)  # counted as HF counts them (tied decoder once)
+
+
+def test_compact_presets_have_published_sizes():
+    sizes = {
+        "bert-tiny": (2, 128),
+        "bert-mini": (4, 256),
+        "bert-small": (4, 512),
+        "bert-medium": (8, 512),
+    }
+    for name, (layers, hidden) in sizes.items():
+        config = BertConfig.preset(name)
+        assert (config.n_layers, config.d_model, config.d_ff) == (layers, hidden, 4 * hidden)
+        assert config.d_model // config.n_heads == 64
+    with pytest.raises(AttnlabError, match="unknown preset"):
+        BertConfig.preset("bert-enormous")
+
+
+def test_mlm_head_is_tied_to_word_embeddings():
+    model = BertForPreTraining(BertConfig.preset("bert-tiny"))
+    assert model.mlm.word_embeddings.weight is model.bert.embeddings.word_embeddings.weight
+
+
+def test_sparse_mlm_logits_equal_dense_at_masked_positions():
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.preset("bert-tiny", vocab_size=100)).eval()
+    ids = torch.randint(5, 100, (3, 12))
+    labels = torch.full_like(ids, -100)
+    labels[0, 3], labels[1, 7], labels[2, 0] = 11, 12, 13
+    with torch.no_grad():
+        dense = model(ids)["mlm_logits"]
+        sparse = model(ids, mlm_labels=labels, nsp_labels=torch.tensor([0, 1, 0]))
+    masked = labels != -100
+    assert torch.allclose(sparse["mlm_logits"], dense[masked], atol=1e-6)
+    expected = torch.nn.functional.cross_entropy(dense[masked], labels[masked])
+    assert torch.allclose(sparse["mlm_loss"], expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("encoding", POSITION_ENCODINGS)
+def test_every_position_encoding_builds_a_bert(encoding, tmp_path):
+    torch.manual_seed(0)
+    config = BertConfig.preset("bert-tiny", vocab_size=64, position_encoding=encoding)
+    model = BertModel(config).eval()
+    ids = torch.randint(1, 64, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    with torch.no_grad():
+        out = model(ids, mask).last_hidden_state
+    assert out.shape == (2, 10, 128) and torch.isfinite(out).all()
+    # attnlab's own checkpoint layout keeps every scheme (HF has no field for most of them)
+    save_bert(model, tmp_path / "ckpt")
+    again = load_bert(tmp_path / "ckpt")
+    assert again.config.position_encoding == encoding
+    with torch.no_grad():
+        assert torch.equal(again(ids, mask).last_hidden_state, out)
+
+
+def test_export_round_trip_through_hf(minilm_dir, hf_minilm, hf_tokenizer, tmp_path):
+    from transformers import BertForPreTraining as HFPreTraining
+    from transformers import BertModel as HFBertModel
+
+    torch.manual_seed(0)
+    pretrain = BertForPreTraining(load_bert(minilm_dir).config)
+    pretrain.bert.load_state_dict(load_bert(minilm_dir).state_dict())
+    save_bert(pretrain.eval(), tmp_path / "out", require_hf=True)
+    hf, info = HFPreTraining.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    hf_base, info = HFBertModel.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
+    assert not info["missing_keys"]
+    batch = _batch(hf_tokenizer)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        ours = pretrain(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+        theirs = hf.eval()(**batch)
+        base = hf_base.eval()(**batch).last_hidden_state
+        original = hf_minilm(**batch).last_hidden_state
+    assert (ours["mlm_logits"] - theirs.prediction_logits)[real].abs().max().item() <= 1e-4
+    assert (ours["nsp_logits"] - theirs.seq_relationship_logits).abs().max().item() <= 1e-5
+    assert (base - original)[real].abs().max().item() <= 1e-6
+
+
+def test_export_refuses_configs_hf_cannot_run(tmp_path):
+    model = BertModel(BertConfig.preset("bert-tiny", position_encoding="rope"))
+    with pytest.raises(AttnlabError, match="HF format"):
+        save_bert(model, tmp_path / "x", require_hf=True)
+    assert not (tmp_path / "x").exists()
+
+
+def test_save_refuses_non_empty_out(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("precious")
+    model = BertModel(BertConfig.preset("bert-tiny"))
+    with pytest.raises(AttnlabError, match="already holds files"):
+        save_bert(model, tmp_path / "out")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "precious"
+    save_bert(model, tmp_path / "out", overwrite=True)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["hidden_size"] == 128
+    assert not (tmp_path / "out" / "keep.txt").exists()
+
+
+def test_legacy_bin_checkpoint_loads_with_weights_only(minilm_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "legacy"
+    folder.mkdir()
+    shutil.copy(minilm_dir / "config.json", folder / "config.json")
+    state = load_file(str(minilm_dir / "model.safetensors"))
+    state = {k.replace("LayerNorm.weight", "LayerNorm.gamma"): v for k, v in state.items()}
+    torch.save(state, folder / "pytorch_model.bin")
+    a, b = load_bert(folder), load_bert(minilm_dir)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
