@@ -195,8 +195,9 @@ class BertTokenizer:
 
     def encode(self, text: str, pair: str | None = None, max_length: int | None = None) -> Encoding:
         """Encode `text` (and `pair`) as [CLS] A [SEP] (B [SEP]), truncated to max_length."""
+        max_length = self.max_length if max_length is None else max_length
         backend = self._truncating_backend(max_length, pair is not None)
-        return _to_encoding(backend.encode(text, pair))
+        return _to_encoding(backend.encode(text, pair), max_length)
 
     def encode_batch(
         self, texts: list[str], pairs: list[str] | None = None, max_length: int | None = None
@@ -208,8 +209,9 @@ class BertTokenizer:
             if len(pairs) != len(texts):
                 raise AttnlabError(f"got {len(texts)} texts but {len(pairs)} pairs")
             inputs = list(zip(texts, pairs, strict=True))
+        max_length = self.max_length if max_length is None else max_length
         backend = self._truncating_backend(max_length, pairs is not None)
-        return [_to_encoding(encoding) for encoding in backend.encode_batch(inputs)]
+        return [_to_encoding(encoding, max_length) for encoding in backend.encode_batch(inputs)]
 
     def tokenize(self, text: str) -> list[str]:
         """Split `text` into WordPiece tokens, without special tokens or truncation."""
@@ -324,6 +326,18 @@ class BertTokenizer:
         """The untruncated `tokenizers.Tokenizer` (for offsets, word ids); do not reconfigure it."""
         return self._backend
 
+    def __getstate__(self) -> dict:
+        # Pickled for DataLoader workers under spawn: a lock cannot be pickled, and the
+        # truncating copies are rebuilt on first use rather than shipped.
+        state = self.__dict__.copy()
+        state["_truncating"] = {}
+        del state["_truncating_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._truncating_lock = threading.Lock()
+
     def __repr__(self) -> str:
         return (
             f"BertTokenizer(vocab_size={self._vocab_size}, lowercase={self._lowercase}, "
@@ -333,9 +347,8 @@ class BertTokenizer:
 
     # ---- internals ----------------------------------------------------------------------
 
-    def _truncating_backend(self, max_length: int | None, is_pair: bool) -> tokenizers.Tokenizer:
-        """A copy of the backend that truncates to max_length (default self.max_length)."""
-        max_length = self.max_length if max_length is None else max_length
+    def _truncating_backend(self, max_length: int, is_pair: bool) -> tokenizers.Tokenizer:
+        """A copy of the backend that truncates to max_length."""
         # Below the count of special tokens, tokenizers silently skips truncation.
         _check_max_length(max_length, "max_length", minimum=3 if is_pair else 2)
         backend = self._truncating.get(max_length)
@@ -360,9 +373,13 @@ class BertTokenizer:
                 )
 
 
-def _to_encoding(encoding: tokenizers.Encoding) -> Encoding:
-    """Our Encoding from a (truncating) backend's; overflow is what truncation cut off."""
-    return Encoding(encoding.ids, encoding.type_ids, len(encoding.overflowing) > 0)
+def _to_encoding(encoding: tokenizers.Encoding, max_length: int) -> Encoding:
+    """Our Encoding from a truncating backend's; overflow is what truncation cut off."""
+    ids = encoding.ids
+    # Truncation always fills max_length exactly, so shorter results need no look at
+    # `overflowing`, which Python receives as a copy of every overflow window.
+    truncated = len(ids) == max_length and len(encoding.overflowing) > 0
+    return Encoding(ids, encoding.type_ids, truncated)
 
 
 def _check_max_length(value: object, name: str, minimum: int = 2) -> None:
@@ -425,8 +442,9 @@ def train_wordpiece(
 ) -> BertTokenizer:
     """Train a new WordPiece vocabulary on UTF-8 text files (.gz allowed), one text a line.
 
-    Specials take ids [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4; CJK ideographs are
-    split one per token, so each one seen in the corpus becomes a token of its own.
+    Specials take ids [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4. CJK ideographs are
+    split one per token, so each one in the alphabet (the `limit_alphabet` most frequent
+    characters) becomes a token of its own.
     """
     paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
     if not paths:

@@ -1,0 +1,61 @@
+"""Shared benchmark helpers: the machine's measured matmul peak, timing, data loading."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def matmul_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 1.0) -> float:
+    """Best FLOP/s of large square matmuls at the current thread count (the utilisation yardstick)."""
+    best = 0.0
+    for n in (1024, 2048, 3072):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b  # warm-up
+        runs, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / 3 or runs < 2:
+            a @ b
+            runs += 1
+        best = max(best, 2 * n**3 * runs / (time.perf_counter() - start))
+    return best
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """Fastest wall time of fn over repeats (after one untimed warm-up call)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def machine() -> str:
+    """One line describing where the numbers come from."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
+
+
+def read_gz_lines(path: Path) -> list[str]:
+    """Lines of a gzip UTF-8 file."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return f.read().splitlines()

