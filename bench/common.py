@@ -8,9 +8,11 @@ import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
+T = TypeVar("T")
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
@@ -28,15 +30,15 @@ def matmul_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 1.0) 
     return best
 
 
-def best_time(fn: Callable[[], object], repeats: int) -> float:
-    """Fastest wall time of fn over repeats (after one untimed warm-up call)."""
-    fn()
+def best_time(fn: Callable[[], T], repeats: int) -> tuple[float, T]:
+    """Fastest wall time of fn over repeats, after one untimed warm-up call, and its result."""
+    result = fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        result = fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return min(times), result
 
 
 def machine() -> str:

@@ -33,7 +33,7 @@ def _say(message: str) -> None:
 
 
 def _set_threads(args: argparse.Namespace) -> None:
-    if getattr(args, "threads", None):
+    if getattr(args, "threads", None) is not None:  # 0 is an error, not "unset"
         import torch
 
         if args.threads < 1:
@@ -68,8 +68,13 @@ def _load(model_dir: str) -> tuple[BertModel, BertTokenizer]:
     from attnlab.interop.hf import load_bert, read_config
     from attnlab.text.tokenizer import BertTokenizer
 
-    read_config(Path(model_dir))  # config problems first: they explain most failures
+    config = read_config(Path(model_dir))  # config problems first: they explain most failures
     tokenizer = BertTokenizer.from_dir(model_dir)
+    if tokenizer.vocab_size > config.vocab_size:  # else an IndexError deep in the embedding
+        raise AttnlabError(
+            f"the tokenizer in {model_dir} has {tokenizer.vocab_size} tokens but config.json "
+            f"says vocab_size {config.vocab_size}: are they from the same model?"
+        )
     return load_bert(model_dir), tokenizer
 
 
@@ -134,8 +139,8 @@ def cmd_embed(args: argparse.Namespace) -> None:
 
     from attnlab.tasks.embed import embed
 
+    model, tokenizer = _load(args.model)  # before stdin: a bad --model must not wait for input
     lines = read_lines(args.input)
-    model, tokenizer = _load(args.model)
     max_length = _max_length(args.max_length, model.config.max_positions)
     dtype = {"fp32": None, "bf16": torch.bfloat16}[args.dtype]
     vectors = embed(
@@ -161,11 +166,12 @@ def cmd_embed(args: argparse.Namespace) -> None:
 
 def cmd_export(args: argparse.Namespace) -> None:
     """Write the model in HF transformers' layout to --out."""
-    from attnlab.interop.hf import load_bert, save_bert
+    from attnlab.interop.hf import load_bert, read_config, save_bert
     from attnlab.io import check_out_dir
     from attnlab.text.tokenizer import BertTokenizer
 
     check_out_dir(Path(args.out), args.overwrite)
+    read_config(Path(args.model))  # config problems first, as in _load
     if Path(args.out).resolve() == Path(args.model).resolve():
         raise AttnlabError("--out must differ from --model")
     model = load_bert(args.model, heads=_has_heads(args.model))
@@ -225,8 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--input", help="UTF-8 text file (default: stdin)")
     sub.add_argument("--pooling", choices=("mean", "cls", "none"), default="mean")
     sub.add_argument("--normalize", action="store_true", help="L2-normalise each vector")
-    sub.add_argument("--batch-size", type=int, default=256, help="most sentences per batch")
-    sub.add_argument("--batch-tokens", type=int, default=8192, help="most padded tokens per batch")
+    sub.add_argument("--batch-size", type=int, default=128, help="most sentences per batch")
+    sub.add_argument("--batch-tokens", type=int, default=2048, help="most padded tokens per batch")
     sub.add_argument("--max-length", type=int)
     sub.add_argument("--no-truncate", action="store_true", help="over-long input is an error")
     sub.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,19 +13,25 @@ from pathlib import Path
 from attnlab.errors import AttnlabError
 
 
+def _temp_name(path: Path) -> Path:
+    # A fresh sibling name, created by the caller with open(..., "x") or mkdir: unlike
+    # mkstemp/mkdtemp (0600/0700) these honour the umask, so results stay readable by others.
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write bytes to path via a temp file in the same directory and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = _temp_name(path)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -37,13 +44,12 @@ def write_with_atomic(path: Path, writer: Callable[[Path], None]) -> None:
     """Call writer(tmp_path) and rename the result onto path (for libraries that write files)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = _temp_name(path)
     try:
-        writer(Path(tmp))
+        writer(tmp)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -62,7 +68,8 @@ def staged_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
     out = Path(out)
     check_out_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    stage = _temp_name(out)
+    stage.mkdir()
     try:
         yield stage
     except BaseException:

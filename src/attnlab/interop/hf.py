@@ -86,6 +86,12 @@ def config_from_hf(data: dict[str, Any], source: str = "config.json") -> BertCon
     extra = data.get("attnlab", {})
     if not isinstance(extra, dict):
         raise AttnlabError(f"{source}: 'attnlab' must be an object")
+    unknown = sorted(set(extra) - set(ATTNLAB_ONLY))
+    if unknown:  # a misspelt setting (say norm_position) would silently change the model
+        raise AttnlabError(
+            f"{source}: unknown 'attnlab' setting(s) {', '.join(map(repr, unknown))} "
+            f"(known: {', '.join(ATTNLAB_ONLY)})"
+        )
     for key in ATTNLAB_ONLY:
         if key in extra:
             fields[key] = extra[key]

@@ -1,8 +1,11 @@
 """Sentence embeddings from a BERT encoder: [CLS] or mean pooling, batched without waste.
 
 Speed comes from the batching, not from the model: texts are sorted by token length and cut
-into batches by a token budget, so padding stays near zero and every matmul stays large;
-results are written back in input order.
+into batches by a token budget, so padding stays near zero; results are written back in input
+order. The default budget (2,048 tokens) is measured, not guessed: it keeps each layer's
+activations (tokens x d_ff floats) small enough to stay in cache and below glibc's 32 MB mmap
+threshold, so buffers are reused instead of page-faulted in afresh every layer; 8,192-token
+batches ran about 25% slower on the benchmark machine (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -81,8 +84,8 @@ def embed(
     pooling: str = "mean",
     normalize: bool = False,
     max_length: int | None = None,
-    max_tokens: int = 8192,
-    max_batch: int = 256,
+    max_tokens: int = 2048,
+    max_batch: int = 128,
     truncate: bool = True,
     dtype: torch.dtype | None = None,
     on_truncate: Callable[[int], None] | None = None,

@@ -1,0 +1,695 @@
+"""The `attnlab` command line against HF transformers on a real checkpoint (all-MiniLM-L6-v2).
+
+Every command's output is checked against transformers (BertTokenizerFast ids, BertModel
+hidden states and parameter count, from_pretrained of an export); every bad input must give
+exit code 2, exactly one `attnlab: error:` line on stderr, no traceback and no output. Most
+runs call `attnlab.cli.main` in-process; a few run `python -m attnlab` as a real process to
+prove the exit codes and stderr a shell sees.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import VARIED_SENTENCES
+
+from attnlab.cli import main
+from attnlab.config import BertConfig
+from attnlab.interop.hf import save_bert
+from attnlab.models.bert import BertModel
+from attnlab.text.tokenizer import SPECIAL_TOKENS, BertTokenizer
+
+TINY_MAX_POSITIONS = 32  # small, so over-long input is cheap to make
+TOLERANCE = 1e-4  # the CLI rounds to 7 decimals; HF and attnlab differ by ~1e-6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """One torch thread: the inputs here are tiny, and when other processes hold the cores a
+    multi-threaded pool spins and runs small forward passes many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """--threads sets torch's global thread count; give every test the count it started with."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys) -> Callable[..., tuple[int, str, str]]:
+    """run(*argv, stdin=b"") -> (exit code, stdout, stderr) of attnlab.cli.main in-process."""
+
+    def run(*argv: object, stdin: bytes = b"") -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+        code = main([str(arg) for arg in argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def assert_one_error(code: int, out: str, err: str, *fragments: str) -> str:
+    """Exit 2, nothing on stdout, one `attnlab: error:` line holding every fragment."""
+    assert code == 2, (code, err)
+    assert out == ""
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("attnlab: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def text_lines(lines: list[str]) -> bytes:
+    return "".join(line + "\n" for line in lines).encode("utf-8")
+
+
+def json_lines(out: str) -> list:
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def link_files(source: Path, target: Path, names: tuple[str, ...]) -> None:
+    """Symlink some files of a checkpoint into target (no copies of the weights)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (target / name).symlink_to(source / name)
+
+
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, minilm_dir: Path) -> Path:
+    """A random bert-tiny (2 layers, d_model 128, 32 positions) with MiniLM's vocabulary."""
+    tokenizer = BertTokenizer.from_vocab(minilm_dir / "vocab.txt")
+    torch.manual_seed(0)
+    config = BertConfig.preset(
+        "bert-tiny", vocab_size=tokenizer.vocab_size, max_positions=TINY_MAX_POSITIONS
+    )
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    save_bert(BertModel(config), out, tokenizer)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_minilm, hf_tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's last_hidden_state (batch, seq, 384) and attention_mask for VARIED_SENTENCES."""
+    batch = hf_tokenizer(VARIED_SENTENCES, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = hf_minilm(**batch).last_hidden_state
+    return hidden, batch["attention_mask"]
+
+
+def hf_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over real tokens, as sentence-transformers pools all-MiniLM-L6-v2."""
+    weights = mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * weights).sum(1) / weights.sum(1)
+
+
+def max_diff(vectors: list, reference: torch.Tensor) -> float:
+    return (torch.tensor(vectors) - reference).abs().max().item()
+
+
+# ---------------------------------------------------------------------------- info
+
+
+def test_info_reports_config_and_hf_parameter_count(cli, minilm_dir, hf_minilm):
+    code, out, err = cli("info", "--model", minilm_dir)
+    assert (code, err) == (0, "")
+    info = json.loads(out)
+    assert info["parameters"] == hf_minilm.num_parameters()
+    assert info["parameters"] == sum(p.numel() for p in hf_minilm.parameters())
+    assert 22_000_000 < info["parameters"] < 23_000_000
+    config = info["config"]
+    expected = {"vocab_size": 30522, "d_model": 384, "n_layers": 6, "n_heads": 12}
+    assert {key: config[key] for key in expected} == expected
+    assert (config["d_ff"], config["max_positions"]) == (1536, 512)
+    assert config["position_encoding"] == "learned"
+
+
+# ---------------------------------------------------------------------------- tokenize
+
+
+def test_tokenize_matches_hf(cli, minilm_dir, hf_tokenizer):
+    code, out, err = cli("tokenize", "--model", minilm_dir, stdin=text_lines(VARIED_SENTENCES))
+    assert (code, err) == (0, "")
+    records = json_lines(out)
+    reference = hf_tokenizer(VARIED_SENTENCES)
+    assert all(set(record) == {"input_ids", "token_type_ids"} for record in records)
+    assert [r["input_ids"] for r in records] == reference["input_ids"]
+    assert [r["token_type_ids"] for r in records] == reference["token_type_ids"]
+
+
+def test_tokenize_pairs_match_hf_pair_encoding(cli, minilm_dir, hf_tokenizer):
+    first, second = VARIED_SENTENCES[:4], VARIED_SENTENCES[4:]
+    # CRLF line ends, as from a Windows editor, must not reach the tokenizer.
+    stdin = "".join(f"{a}\t{b}\r\n" for a, b in zip(first, second, strict=True)).encode()
+    code, out, err = cli("tokenize", "--model", minilm_dir, "--pair", stdin=stdin)
+    assert (code, err) == (0, "")
+    records = json_lines(out)
+    reference = hf_tokenizer(first, second)
+    assert [r["input_ids"] for r in records] == reference["input_ids"]
+    assert [r["token_type_ids"] for r in records] == reference["token_type_ids"]
+    for record, a in zip(records, first, strict=True):
+        n_first = len(hf_tokenizer(a)["input_ids"])  # [CLS] A [SEP] has type 0, B [SEP] type 1
+        types = record["token_type_ids"]
+        assert types[:n_first] == [0] * n_first
+        assert types[n_first:] == [1] * (len(types) - n_first) and len(types) > n_first
+
+
+def test_tokenize_pair_line_without_tab_is_an_error_naming_it(cli, tiny_dir):
+    stdin = text_lines(["a\tb", "no tab on this line", "c\td"])
+    result = cli("tokenize", "--model", tiny_dir, "--pair", stdin=stdin)
+    assert_one_error(*result, "line 2", "TAB")
+
+
+# ---------------------------------------------------------------------------- embed
+
+
+def test_embed_mean_matches_hf_mean_pooling(cli, minilm_dir, hf_reference):
+    code, out, err = cli("embed", "--model", minilm_dir, stdin=text_lines(VARIED_SENTENCES))
+    assert (code, err) == (0, "")
+    vectors = json_lines(out)
+    assert len(vectors) == len(VARIED_SENTENCES)
+    assert all(len(vector) == 384 for vector in vectors)
+    assert max_diff(vectors, hf_mean(*hf_reference)) <= TOLERANCE
+
+
+def test_embed_cls_matches_hf_first_token(cli, minilm_dir, hf_reference):
+    stdin = text_lines(VARIED_SENTENCES)
+    code, out, err = cli("embed", "--model", minilm_dir, "--pooling", "cls", stdin=stdin)
+    assert (code, err) == (0, "")
+    hidden, _ = hf_reference
+    assert max_diff(json_lines(out), hidden[:, 0]) <= TOLERANCE
+
+
+def test_embed_pooling_none_gives_one_vector_per_token(cli, minilm_dir, hf_reference):
+    stdin = text_lines(VARIED_SENTENCES)
+    code, out, err = cli("embed", "--model", minilm_dir, "--pooling", "none", stdin=stdin)
+    assert (code, err) == (0, "")
+    matrices = json_lines(out)
+    hidden, mask = hf_reference
+    assert len(matrices) == len(VARIED_SENTENCES)
+    for row, matrix in enumerate(matrices):
+        n_tokens = int(mask[row].sum())
+        assert len(matrix) == n_tokens
+        assert all(len(vector) == 384 for vector in matrix)
+        assert max_diff(matrix, hidden[row, :n_tokens]) <= TOLERANCE
+
+
+def test_embed_normalize_gives_unit_vectors(cli, minilm_dir, hf_reference):
+    stdin = text_lines(VARIED_SENTENCES)
+    code, out, err = cli("embed", "--model", minilm_dir, "--normalize", stdin=stdin)
+    assert (code, err) == (0, "")
+    vectors = torch.tensor(json_lines(out))
+    assert (vectors.norm(dim=-1) - 1).abs().max().item() <= 1e-5
+    assert max_diff(vectors.tolist(), F.normalize(hf_mean(*hf_reference), dim=-1)) <= TOLERANCE
+
+
+def test_embed_small_batches_keep_input_order(cli, minilm_dir, hf_minilm, hf_tokenizer):
+    lines = VARIED_SENTENCES[:7]  # lengths 3 to 25 tokens, not sorted
+    code, out, err = cli(
+        "embed", "--model", minilm_dir, "--batch-size", "2", stdin=text_lines(lines)
+    )
+    assert (code, err) == (0, "")
+    vectors = json_lines(out)
+    assert len(vectors) == len(lines)
+    for vector, line in zip(vectors, lines, strict=True):
+        alone = hf_tokenizer([line], return_tensors="pt")  # no padding: the line by itself
+        with torch.no_grad():
+            reference = hf_mean(hf_minilm(**alone).last_hidden_state, alone["attention_mask"])
+        assert max_diff(vector, reference[0]) <= TOLERANCE
+
+
+def test_embed_input_file_equals_stdin(cli, tiny_dir, tmp_path):
+    lines = ["short", "", VARIED_SENTENCES[1], "x y"]
+    file = tmp_path / "lines.txt"
+    file.write_bytes(text_lines(lines))
+    code, from_file, err = cli("embed", "--model", tiny_dir, "--input", file)
+    assert (code, err) == (0, "")
+    assert len(json_lines(from_file)) == len(lines)
+    assert cli("embed", "--model", tiny_dir, stdin=text_lines(lines))[1] == from_file
+
+
+def test_embed_truncates_over_long_input_with_a_warning(cli, tiny_dir):
+    long_line = " ".join(["word"] * 50)  # 52 tokens > 32 positions
+    code, out, err = cli("embed", "--model", tiny_dir, stdin=text_lines(["short", long_line]))
+    assert code == 0
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: 1 input line"), err
+    vectors = json_lines(out)
+    assert len(vectors) == 2
+    # Truncated to [CLS] + 30 words + [SEP]: the same as giving 30 words.
+    kept = " ".join(["word"] * (TINY_MAX_POSITIONS - 2))
+    _, reference, _ = cli("embed", "--model", tiny_dir, stdin=text_lines([kept]))
+    assert max_diff(vectors[1], torch.tensor(json_lines(reference)[0])) <= 1e-5
+
+
+def test_tokenize_truncates_over_long_input_with_a_warning(cli, tiny_dir):
+    long_line = " ".join(["word"] * 50)
+    code, out, err = cli("tokenize", "--model", tiny_dir, stdin=text_lines([long_line]))
+    assert code == 0
+    assert len(err.splitlines()) == 1 and err.startswith("warning: "), err
+    (record,) = json_lines(out)
+    assert len(record["input_ids"]) == TINY_MAX_POSITIONS
+
+
+@pytest.mark.parametrize("command", ["embed", "tokenize"])
+def test_no_truncate_refuses_over_long_input_naming_the_line(cli, tiny_dir, command):
+    stdin = text_lines(["fine", "fine too", " ".join(["word"] * 50)])
+    result = cli(command, "--model", tiny_dir, "--no-truncate", stdin=stdin)
+    assert_one_error(*result, "line 3", f"longer than {TINY_MAX_POSITIONS} tokens")
+
+
+@pytest.mark.parametrize("command", ["embed", "tokenize"])
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [(str(TINY_MAX_POSITIONS + 1), f"maximum ({TINY_MAX_POSITIONS})"), ("1", "at least 2")],
+)
+def test_max_length_outside_the_model_range_is_refused(cli, tiny_dir, command, value, fragment):
+    result = cli(command, "--model", tiny_dir, "--max-length", value, stdin=b"hello\n")
+    assert_one_error(*result, "--max-length", fragment)
+
+
+@pytest.mark.parametrize("command", ["embed", "tokenize"])
+def test_non_utf8_stdin_is_an_error_naming_the_line(cli, tiny_dir, command):
+    result = cli(command, "--model", tiny_dir, stdin=b"fine\nalso fine\nbad \xff\xfe here\n")
+    assert_one_error(*result, "stdin line 3", "UTF-8")
+
+
+def test_non_utf8_input_file_and_missing_input_file(cli, tiny_dir, tmp_path):
+    file = tmp_path / "latin1.txt"
+    file.write_bytes("ok\ncaf\u00e9\n".encode("latin-1"))
+    assert_one_error(*cli("embed", "--model", tiny_dir, "--input", file), "line 2", "UTF-8")
+    missing = tmp_path / "nowhere.txt"
+    assert_one_error(*cli("embed", "--model", tiny_dir, "--input", missing), "not found")
+
+
+# ---------------------------------------------------------------------------- export
+
+
+def test_export_loads_in_transformers_with_the_same_outputs(
+    cli, minilm_dir, hf_minilm, hf_tokenizer, tmp_path
+):
+    from transformers import BertModel as HFBertModel
+    from transformers import BertTokenizerFast
+
+    out = tmp_path / "exported"
+    code, stdout, err = cli("export", "--model", minilm_dir, "--format", "hf", "--out", out)
+    assert (code, stdout) == (0, "")
+    assert len(err.splitlines()) == 1 and "exported" in err
+    exported, loading = HFBertModel.from_pretrained(str(out), output_loading_info=True)
+    assert not loading["missing_keys"]
+    assert not loading["unexpected_keys"] and not loading["mismatched_keys"]
+    exported_tokenizer = BertTokenizerFast.from_pretrained(str(out))
+    batch = hf_tokenizer(VARIED_SENTENCES, padding=True, return_tensors="pt")
+    assert exported_tokenizer(VARIED_SENTENCES, padding=True)["input_ids"] == (
+        batch["input_ids"].tolist()
+    )
+    with torch.no_grad():
+        ref, got = hf_minilm(**batch), exported.eval()(**batch)
+    real = batch["attention_mask"].bool()
+    diff = (ref.last_hidden_state - got.last_hidden_state)[real].abs().max().item()
+    assert diff <= 1e-5
+    assert (ref.pooler_output - got.pooler_output).abs().max().item() <= 1e-5
+    # Permissions follow the umask, like any directory a user makes (not mkdtemp's 0700);
+    # model.safetensors is left out: safetensors >= 0.8 itself creates it 0600.
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+    for name in ("config.json", "vocab.txt"):
+        assert (out / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+
+
+def test_export_refuses_a_non_empty_out_unless_overwrite(cli, tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    before = sorted(os.listdir(tmp_path))
+    result = cli("export", "--model", tiny_dir, "--out", out)
+    assert_one_error(*result, "already holds files", "--overwrite")
+    assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == before  # no half-written stage left beside it
+
+    code, _, _ = cli("export", "--model", tiny_dir, "--out", out, "--overwrite")
+    assert code == 0
+    assert not (out / "keep.txt").exists()
+    assert {"config.json", "model.safetensors", "vocab.txt"} <= set(os.listdir(out))
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_export_onto_its_own_model_dir_is_refused(cli, tiny_dir):
+    before = {p.name: p.stat().st_mtime_ns for p in tiny_dir.iterdir()}
+    result = cli("export", "--model", tiny_dir, "--out", tiny_dir, "--overwrite")
+    assert_one_error(*result, "--out must differ from --model")
+    assert {p.name: p.stat().st_mtime_ns for p in tiny_dir.iterdir()} == before
+
+
+def test_export_of_a_model_hf_cannot_run_is_refused(cli, tmp_path):
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *"abcdefghij"])}
+    tokenizer = BertTokenizer.from_vocab(vocab)
+    config = BertConfig.preset("bert-tiny", vocab_size=len(vocab), position_encoding="rope")
+    save_bert(BertModel(config), tmp_path / "rope", tokenizer)
+    result = cli("export", "--model", tmp_path / "rope", "--out", tmp_path / "out")
+    assert_one_error(*result, "cannot export to HF format", "rope")
+    assert not (tmp_path / "out").exists()
+
+
+def test_embed_refuses_a_tokenizer_larger_than_the_model_vocabulary(cli, tiny_dir, tmp_path):
+    # Ids past vocab_size would otherwise fail as an IndexError inside the embedding.
+    config = BertConfig.preset("bert-tiny", vocab_size=64)
+    save_bert(BertModel(config), tmp_path / "model", BertTokenizer.from_dir(tiny_dir))
+    result = cli("embed", "--model", tmp_path / "model", stdin=b"hello world\n")
+    assert_one_error(*result, "30522 tokens", "vocab_size 64")
+
+
+# ---------------------------------------------------------------------------- tokenizer train
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    file = tmp_path / "corpus.txt"
+    sentences = (Path(__file__).parent / "data" / "tokenizer_lines.txt").read_text("utf-8")
+    lines = [*sentences.splitlines(), *VARIED_SENTENCES]
+    file.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return file
+
+
+def test_tokenizer_train_output_loads_in_attnlab_and_transformers(cli, corpus, tmp_path):
+    from transformers import BertTokenizerFast
+
+    out = tmp_path / "tok"
+    code, stdout, err = cli(
+        "tokenizer", "train", "--corpus", corpus, "--vocab-size", "300", "--out", out
+    )
+    assert (code, stdout) == (0, "")
+    assert len(err.splitlines()) == 1 and "WordPiece" in err
+    ours = BertTokenizer.from_dir(out)
+    theirs = BertTokenizerFast.from_pretrained(str(out))
+    assert 5 < ours.vocab_size <= 300
+    assert len(theirs) == ours.vocab_size
+    texts = corpus.read_text("utf-8").splitlines()
+    assert [e.ids for e in ours.encode_batch(texts)] == theirs(texts)["input_ids"]
+    assert theirs.convert_ids_to_tokens([0, 1, 2, 3, 4]) == [
+        "[PAD]",
+        "[UNK]",
+        "[CLS]",
+        "[SEP]",
+        "[MASK]",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("corpus_bytes", "fragments"),
+    [
+        (b"good line\nanother\n\xff\xfe bad\n", ("line 3", "UTF-8")),
+        (None, ("not found",)),
+    ],
+    ids=["non-utf8", "missing"],
+)
+def test_tokenizer_train_bad_corpus_writes_nothing(cli, tmp_path, corpus_bytes, fragments):
+    file = tmp_path / "corpus.txt"
+    if corpus_bytes is not None:
+        file.write_bytes(corpus_bytes)
+    before = sorted(os.listdir(tmp_path))
+    result = cli(
+        "tokenizer", "train", "--corpus", file, "--vocab-size", "100", "--out", tmp_path / "tok"
+    )
+    assert_one_error(*result, *fragments)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_tokenizer_train_refuses_tiny_vocab_and_non_empty_out(cli, corpus, tmp_path):
+    out = tmp_path / "tok"
+    args = ("tokenizer", "train", "--corpus", corpus, "--out", out)
+    assert_one_error(*cli(*args, "--vocab-size", "5"), "--vocab-size")
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert_one_error(*cli(*args, "--vocab-size", "100"), "--overwrite")
+    assert os.listdir(out) == ["keep.txt"]
+
+
+# ---------------------------------------------------------------------------- bad models
+
+
+def _copy_config(tiny_dir: Path, target: Path, **changes) -> None:
+    data = json.loads((tiny_dir / "config.json").read_text())
+    for key, value in changes.items():
+        data[key] = value
+    (target / "config.json").write_text(json.dumps(data))
+
+
+def _tokenizer_only(tiny_dir: Path, target: Path) -> None:
+    link_files(tiny_dir, target, TOKENIZER_FILES)
+
+
+def make_missing(tiny_dir: Path, target: Path) -> None:
+    pass  # target is never created
+
+
+def make_empty(tiny_dir: Path, target: Path) -> None:
+    target.mkdir()
+
+
+def make_readme_only(tiny_dir: Path, target: Path) -> None:
+    target.mkdir()
+    (target / "README.md").write_text("# my notes, not a model\n")
+
+
+def make_invalid_json(tiny_dir: Path, target: Path) -> None:
+    link_files(tiny_dir, target, ("model.safetensors", *TOKENIZER_FILES))
+    (target / "config.json").write_text('{"hidden_size": 128,\n')
+
+
+def make_contradictory(tiny_dir: Path, target: Path) -> None:
+    link_files(tiny_dir, target, ("model.safetensors", *TOKENIZER_FILES))
+    _copy_config(tiny_dir, target, hidden_size=100, num_attention_heads=12)
+
+
+def make_bogus_position_encoding(tiny_dir: Path, target: Path) -> None:
+    link_files(tiny_dir, target, ("model.safetensors", *TOKENIZER_FILES))
+    _copy_config(tiny_dir, target, attnlab={"position_encoding": "bogus"})
+
+
+def make_unknown_attnlab_setting(tiny_dir: Path, target: Path) -> None:
+    # A name attnlab does not know (here a preset) must not be silently ignored.
+    link_files(tiny_dir, target, ("model.safetensors", *TOKENIZER_FILES))
+    _copy_config(tiny_dir, target, attnlab={"preset": "bert-bogus"})
+
+
+def make_missing_weights(tiny_dir: Path, target: Path) -> None:
+    link_files(tiny_dir, target, ("config.json", *TOKENIZER_FILES))
+
+
+def make_mis_shaped_weights(tiny_dir: Path, target: Path) -> None:
+    link_files(tiny_dir, target, ("model.safetensors", *TOKENIZER_FILES))
+    _copy_config(tiny_dir, target, hidden_size=256, intermediate_size=1024)
+
+
+def make_truncated_weights(tiny_dir: Path, target: Path) -> None:
+    link_files(tiny_dir, target, ("config.json", *TOKENIZER_FILES))
+    with open(tiny_dir / "model.safetensors", "rb") as weights:
+        (target / "model.safetensors").write_bytes(weights.read(100_000))
+
+
+def make_corrupt_weights(tiny_dir: Path, target: Path) -> None:
+    link_files(tiny_dir, target, ("config.json", *TOKENIZER_FILES))
+    (target / "model.safetensors").write_bytes(b"this is not a safetensors file" * 100)
+
+
+CONFIG_PROBLEMS = {
+    "missing-dir": (make_missing, ("does not exist",)),
+    "empty-dir": (make_empty, ("config.json not found",)),
+    "readme-only": (make_readme_only, ("config.json not found",)),
+    "invalid-json": (make_invalid_json, ("config.json", "not valid JSON")),
+    "contradictory": (make_contradictory, ("d_model (100)", "n_heads (12)")),
+    "bogus-position-encoding": (make_bogus_position_encoding, ("position encoding 'bogus'",)),
+    "unknown-attnlab-setting": (make_unknown_attnlab_setting, ("'preset'",)),
+}
+WEIGHT_PROBLEMS = {  # tokenize does not read weights
+    "missing-weights": (make_missing_weights, ("no model.safetensors",)),
+    "mis-shaped-weights": (make_mis_shaped_weights, ("(30522, 128)", "(30522, 256)")),
+    "truncated-weights": (make_truncated_weights, ("cannot read weights",)),
+    "corrupt-weights": (make_corrupt_weights, ("cannot read weights",)),
+}
+BAD_MODEL_CASES = [
+    pytest.param(name, command, id=f"{name}-{command}")
+    for problems, commands in (
+        (CONFIG_PROBLEMS, ("info", "tokenize", "embed", "export")),
+        (WEIGHT_PROBLEMS, ("info", "embed", "export")),
+    )
+    for name in problems
+    for command in commands
+]
+
+
+@pytest.mark.parametrize(("problem", "command"), BAD_MODEL_CASES)
+def test_bad_model_dir_is_one_error_line_and_writes_nothing(
+    cli, tiny_dir, tmp_path, problem, command
+):
+    make, fragments = {**CONFIG_PROBLEMS, **WEIGHT_PROBLEMS}[problem]
+    model = tmp_path / "model"
+    make(tiny_dir, model)
+    work = tmp_path / "work"
+    work.mkdir()
+    extra = ["--out", work / "exported"] if command == "export" else []
+    result = cli(command, "--model", model, *extra, stdin=b"hello\nworld\n")
+    assert_one_error(*result, *fragments)
+    assert os.listdir(work) == []
+
+
+class _UnreadableStdin(io.BytesIO):
+    def read(self, *args) -> bytes:
+        raise AssertionError("stdin was read before --model was checked")
+
+
+def test_embed_checks_the_model_before_waiting_for_stdin(monkeypatch, capsys, tmp_path):
+    # At a terminal, reading stdin first would wait for typed input before saying --model is wrong.
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(_UnreadableStdin()))
+    code = main(["embed", "--model", str(tmp_path / "typo")])
+    assert_one_error(code, *capsys.readouterr(), "does not exist")
+
+
+# ---------------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["embed", "--model", "m", "--pooling", "max"], "invalid choice: 'max'"),
+        (["embed", "--model", "m", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+        (["tokenize", "--model", "m", "--max-length", "ten"], "invalid int value: 'ten'"),
+        (["export", "--model", "m", "--format", "onnx", "--out", "o"], "invalid choice"),
+        (["embed"], "required: --model"),
+        (["translate"], "invalid choice: 'translate'"),
+        ([], "required"),
+    ],
+    ids=[
+        "bad-pooling",
+        "unknown-option",
+        "bad-int",
+        "bad-format",
+        "no-model",
+        "no-command",
+        "empty",
+    ],
+)
+def test_argparse_errors_are_one_line(cli, argv, fragment):
+    assert_one_error(*cli(*argv), fragment)
+
+
+def _threads_argv(command: str, tiny_dir: Path, tmp_path: Path) -> list:
+    if command == "tokenizer train":
+        corpus = tmp_path / "corpus.txt"
+        corpus.write_text("\n".join(VARIED_SENTENCES) + "\n")
+        return [
+            "tokenizer",
+            "train",
+            "--corpus",
+            corpus,
+            "--vocab-size",
+            "100",
+            "--out",
+            tmp_path / "tok",
+        ]
+    argv = [command, "--model", tiny_dir]
+    return [*argv, "--out", tmp_path / "out"] if command == "export" else argv
+
+
+@pytest.mark.parametrize("command", ["info", "tokenize", "embed", "export", "tokenizer train"])
+def test_threads_option_is_accepted_by_every_command(cli, tiny_dir, tmp_path, command):
+    torch.set_num_threads(2)
+    code, _, err = cli(*_threads_argv(command, tiny_dir, tmp_path), "--threads", "1", stdin=b"hi\n")
+    assert code == 0, err
+    assert torch.get_num_threads() == 1
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_threads_below_one_is_refused(cli, tiny_dir, value):
+    assert_one_error(*cli("info", "--model", tiny_dir, "--threads", value), "--threads")
+
+
+# ---------------------------------------------------------------------------- real processes
+
+
+@pytest.fixture(scope="module")
+def processes(tiny_dir, tmp_path_factory) -> dict[str, tuple[int, str, str, Path]]:
+    """Real `python -m attnlab` runs -> (exit code, stdout, stderr, cwd) by name.
+
+    They start together, so the seconds each spends importing torch overlap.
+    """
+    root = tmp_path_factory.mktemp("processes")
+    corpus_dir = root / "corpus"
+    corpus_dir.mkdir()
+    (corpus_dir / "corpus.txt").write_bytes(b"fine\n\xc3\x28 broken\n")
+    make_truncated_weights(tiny_dir, root / "corrupt")
+    runs = {
+        "embed": (["embed", "--model", tiny_dir, "--threads", "1"], root, b"hello\nworld\n"),
+        "usage": (["embed", "--model", tiny_dir, "--pooling", "max"], root, b""),
+        "corpus": (
+            ["tokenizer", "train", "--corpus", "corpus.txt", "--vocab-size", "50", "--out", "tok"],
+            corpus_dir,
+            b"",
+        ),
+        "weights": (["info", "--model", root / "corrupt"], root, b""),
+    }
+    started = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "attnlab", *map(str, argv)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+        )
+        for name, (argv, cwd, _) in runs.items()
+    }
+    results = {}
+    try:
+        for name, process in started.items():
+            _, cwd, stdin = runs[name]
+            out, err = process.communicate(stdin, timeout=120)
+            results[name] = (process.returncode, out.decode("utf-8"), err.decode("utf-8"), cwd)
+    finally:
+        for process in started.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return results
+
+
+def test_process_embed_succeeds(processes):
+    code, out, err, _ = processes["embed"]
+    assert (code, err) == (0, "")
+    vectors = json_lines(out)
+    assert len(vectors) == 2 and all(len(vector) == 128 for vector in vectors)
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [
+        ("usage", "invalid choice: 'max'"),
+        ("corpus", "corpus.txt, line 2: not valid UTF-8"),
+        ("weights", "cannot read weights"),
+    ],
+)
+def test_process_error_exits_2_with_one_line(processes, name, fragment):
+    code, out, err, cwd = processes[name]
+    assert_one_error(code, out, err, fragment)
+    if name == "corpus":
+        assert os.listdir(cwd) == ["corpus.txt"]  # no --out, no stage left behind
