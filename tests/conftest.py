@@ -10,6 +10,9 @@ import torch
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+# The project's real data sets lie in ../shared/data beside the checkout (tests may read them).
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
 
 @pytest.fixture(scope="session")
 def minilm_dir() -> Path:

@@ -209,3 +209,43 @@ def test_legacy_bin_checkpoint_loads_with_weights_only(minilm_dir, tmp_path):
     a, b = load_bert(folder), load_bert(minilm_dir)
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert torch.equal(x, y), name
+
+
+def test_albert_factorised_embeddings_and_shared_layers(tmp_path):
+    base = BertConfig.preset("bert-small", vocab_size=1000)
+    albert = base.replace(embedding_size=64, share_layers=True)
+    full, small = BertModel(base), BertModel(albert)
+    v, e, h, n = 1000, 64, base.d_model, base.n_layers
+    layer = sum(p.numel() for p in full.encoder.layers[0].parameters())
+    # V*H embeddings become V*E + E*H (+ the projection bias); N layers become one
+    embed_saving = (v + base.max_positions + 2) * (h - e) + 2 * (h - e) - (e * h + h)
+    expected = count_parameters(full) - embed_saving - (n - 1) * layer
+    assert count_parameters(small) == expected
+    torch.manual_seed(0)
+    ids = torch.randint(5, 1000, (2, 9))
+    model = BertForPreTraining(albert).eval()
+    with torch.no_grad():
+        logits = model(ids)["mlm_logits"]
+    assert logits.shape == (2, 9, 1000)
+    save_bert(model, tmp_path / "albert")
+    again = load_bert(tmp_path / "albert", heads=True)
+    assert again.config.share_layers and again.config.embedding_size == 64
+    with torch.no_grad():
+        assert torch.equal(again(ids)["mlm_logits"], logits)
+    with pytest.raises(AttnlabError, match="HF format"):
+        save_bert(model, tmp_path / "hf", require_hf=True)
+
+
+def test_mlm_only_model_has_no_unused_parameters(tmp_path):
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.preset("bert-tiny", vocab_size=50), sentence_head=False)
+    ids = torch.randint(5, 50, (2, 8))
+    labels = torch.full_like(ids, -100)
+    labels[:, 2] = 7
+    model(ids, mlm_labels=labels)["loss"].backward()
+    assert all(p.grad is not None for p in model.parameters())
+    save_bert(model.eval(), tmp_path / "mlm")
+    config = json.loads((tmp_path / "mlm" / "config.json").read_text())
+    assert config["architectures"] == ["BertForMaskedLM"]
+    again = load_bert(tmp_path / "mlm", heads=True)
+    assert again.nsp is None

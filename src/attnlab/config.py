@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,8 @@ class BertConfig:
     relative_buckets: int = 32
     relative_max_distance: int = 128
     rope_base: float = 10000.0
-    extra: dict[str, Any] = field(default_factory=dict)
+    embedding_size: int | None = None  # ALBERT: factorised embeddings (E < d_model); None = d_model
+    share_layers: bool = False  # ALBERT: one layer's weights used by all n_layers
 
     def __post_init__(self) -> None:
         self.validate()
@@ -100,6 +101,15 @@ class BertConfig:
             f"config: pad_token_id {self.pad_token_id!r} is outside the vocabulary "
             f"(vocab_size {self.vocab_size})",
         )
+        _check(
+            self.embedding_size is None
+            or (isinstance(self.embedding_size, int) and self.embedding_size > 0),
+            f"config: embedding_size must be a positive integer or null, got {self.embedding_size!r}",
+        )
+        _check(
+            isinstance(self.share_layers, bool),
+            f"config: share_layers must be true or false, got {self.share_layers!r}",
+        )
         if self.position_encoding == "rope":
             _check(
                 (self.d_model // self.n_heads) % 2 == 0,
@@ -110,6 +120,11 @@ class BertConfig:
     def d_head(self) -> int:
         """Size of one attention head."""
         return self.d_model // self.n_heads
+
+    @property
+    def d_embedding(self) -> int:
+        """Width of the embedding tables (ALBERT's E; d_model when not factorised)."""
+        return self.embedding_size or self.d_model
 
     def to_dict(self) -> dict[str, Any]:
         """All fields as a JSON-ready dict."""

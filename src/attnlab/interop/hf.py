@@ -54,6 +54,8 @@ ATTNLAB_ONLY = (
     "relative_buckets",
     "relative_max_distance",
     "rope_base",
+    "embedding_size",
+    "share_layers",
 )
 
 
@@ -124,6 +126,10 @@ def hf_compatible(config: BertConfig) -> str | None:
         )
     if config.norm_position != "post":
         return "pre-LN layers (HF BERT is post-LN)"
+    if config.embedding_size not in (None, config.d_model):
+        return "factorised embeddings (an ALBERT setting HF BERT lacks)"
+    if config.share_layers:
+        return "cross-layer parameter sharing (an ALBERT setting HF BERT lacks)"
     return None
 
 
@@ -298,14 +304,16 @@ def load_bert(path: str | Path, heads: bool = False) -> BertModel | BertForPreTr
     state = read_weights(path)
     has_pooler = any(k.endswith("pooler.dense.weight") for k in state)
     has_heads = any(k.startswith("cls.predictions") for k in state)
+    has_sentence_head = any(k.startswith("cls.seq_relationship") for k in state)
+    if heads and not has_heads:
+        # An encoder-only checkpoint: its weights fill the encoder, the heads start fresh.
+        encoder = BertModel(config, add_pooler=has_pooler)
+        _load_checked(encoder, bert_state_from_hf(state, encoder), path)
+        model = BertForPreTraining(config)
+        model.bert.load_state_dict(encoder.state_dict(), strict=False)
+        return model.eval()
     if heads:
-        model: nn.Module = BertForPreTraining(config)
-        if not has_heads:
-            target = model.bert  # fill the encoder; heads keep their initialisation
-            if not has_pooler:
-                raise AttnlabError(f"checkpoint in {path} has no pooler weights")
-            _load_checked(target, bert_state_from_hf(state, target), path)
-            return model.eval()
+        model: nn.Module = BertForPreTraining(config, sentence_head=has_sentence_head)
     else:
         model = BertModel(config, add_pooler=has_pooler)
     _load_checked(model, bert_state_from_hf(state, model), path)
@@ -345,7 +353,9 @@ def save_bert(
     config = model.config
     if require_hf and (reason := hf_compatible(config)):
         raise AttnlabError(f"cannot export to HF format: {reason}")
-    arch = "BertForPreTraining" if isinstance(model, BertForPreTraining) else "BertModel"
+    arch = "BertModel"
+    if isinstance(model, BertForPreTraining):
+        arch = "BertForPreTraining" if model.nsp is not None else "BertForMaskedLM"
     with staged_dir(Path(out), overwrite) as stage:
         write_text_atomic(stage / "config.json", json.dumps(config_to_hf(config, arch), indent=2))
         state = bert_state_to_hf(model)

@@ -36,17 +36,22 @@ class BertOutput:
 
 
 class BertEmbeddings(nn.Module):
-    """Token + segment (+ absolute position) embeddings, then LayerNorm and dropout."""
+    """Token + segment (+ absolute position) embeddings, then LayerNorm and dropout.
+
+    With ALBERT's factorisation (embedding_size E < d_model) the tables are E wide and a
+    linear map lifts the sum to d_model: V*E + E*H parameters instead of V*H.
+    """
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
+        width = config.d_embedding
         self.word_embeddings = nn.Embedding(
-            config.vocab_size, config.d_model, padding_idx=config.pad_token_id
+            config.vocab_size, width, padding_idx=config.pad_token_id
         )
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.d_model)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, width)
         self.positions = build_position_encoding(
             config.position_encoding,
-            config.d_model,
+            width,
             config.n_heads,
             config.max_positions,
             bidirectional=True,
@@ -54,8 +59,9 @@ class BertEmbeddings(nn.Module):
             relative_max_distance=config.relative_max_distance,
             rope_base=config.rope_base,
         )
-        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.norm = nn.LayerNorm(width, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
+        self.projection = nn.Linear(width, config.d_model) if width != config.d_model else None
 
     def forward(
         self, input_ids: Tensor, token_type_ids: Tensor, lengths: Tensor | None = None
@@ -66,7 +72,8 @@ class BertEmbeddings(nn.Module):
         pos = self.positions.embed(positions, lengths)
         if pos is not None:
             x = x + pos
-        return self.dropout(self.norm(x))
+        x = self.dropout(self.norm(x))
+        return self.projection(x) if self.projection is not None else x
 
 
 class BertPooler(nn.Module):
@@ -91,6 +98,7 @@ class BertModel(nn.Module):
         self.encoder = Encoder(
             config.n_layers,
             norm_position=config.norm_position,
+            share_layers=config.share_layers,
             d_model=config.d_model,
             n_heads=config.n_heads,
             d_ff=config.d_ff,
@@ -171,9 +179,9 @@ class BertMLMHead(nn.Module):
 
     def __init__(self, config: BertConfig, word_embeddings: nn.Embedding) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.d_model, config.d_model)
+        self.dense = nn.Linear(config.d_model, config.d_embedding)
         self.act = ACTIVATION_FUNCTIONS[config.activation]
-        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.norm = nn.LayerNorm(config.d_embedding, eps=config.layer_norm_eps)
         self.word_embeddings = word_embeddings  # shared, not a copy: weight tying
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
@@ -184,16 +192,21 @@ class BertMLMHead(nn.Module):
 
 
 class BertForPreTraining(nn.Module):
-    """BERT with the masked-LM and next-sentence-prediction heads (paper section 3.1)."""
+    """BERT with the masked-LM and next-sentence-prediction heads (paper section 3.1).
 
-    def __init__(self, config: BertConfig) -> None:
+    sentence_head=False drops the pooler and NSP head (RoBERTa's MLM-only objective), so no
+    parameter goes unused; ALBERT's sentence-order prediction reuses the same 2-way head.
+    """
+
+    def __init__(self, config: BertConfig, sentence_head: bool = True) -> None:
         super().__init__()
         self.config = config
-        self.bert = BertModel(config)
+        self.bert = BertModel(config, add_pooler=sentence_head)
         self.mlm = BertMLMHead(config, self.bert.embeddings.word_embeddings)
-        self.nsp = nn.Linear(config.d_model, 2)  # IsNext / NotNext
+        self.nsp = nn.Linear(config.d_model, 2) if sentence_head else None  # IsNext / NotNext
         for module in (self.mlm.dense, self.mlm.norm, self.nsp):
-            self.bert._init_weights(module)
+            if module is not None:
+                self.bert._init_weights(module)
 
     def forward(
         self,
@@ -202,6 +215,7 @@ class BertForPreTraining(nn.Module):
         token_type_ids: Tensor | None = None,
         mlm_labels: Tensor | None = None,
         nsp_labels: Tensor | None = None,
+        mlm_normalizer: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """Logits and, when labels are given, losses.
 
@@ -209,21 +223,29 @@ class BertForPreTraining(nn.Module):
         at masked positions (``mlm_logits`` is then (n_masked, vocab)): the other ~85% of
         positions carry no loss, and the projection is the costliest matmul of the model.
         Without labels, ``mlm_logits`` covers every position (batch, seq, vocab).
+        ``mlm_normalizer`` replaces the per-batch count of masked tokens as the divisor of the
+        summed MLM loss, so that micro-batches and DDP ranks add up to the full batch's mean.
         """
         out = self.bert(input_ids, attention_mask, token_type_ids)
         hidden = out.last_hidden_state
-        result: dict[str, Tensor] = {"nsp_logits": self.nsp(out.pooler_output)}
+        result: dict[str, Tensor] = {}
+        if self.nsp is not None:
+            result["nsp_logits"] = self.nsp(out.pooler_output)
         if mlm_labels is None:
             result["mlm_logits"] = self.mlm(hidden)
             return result
         masked = mlm_labels != -100
         logits = self.mlm(hidden[masked])  # (n_masked, vocab)
         result["mlm_logits"] = logits
-        loss = F.cross_entropy(logits.float(), mlm_labels[masked]) if logits.numel() else None
-        if loss is None:
+        if mlm_normalizer is not None:
+            loss = F.cross_entropy(logits.float(), mlm_labels[masked], reduction="sum")
+            loss = loss / mlm_normalizer
+        elif logits.numel():
+            loss = F.cross_entropy(logits.float(), mlm_labels[masked])
+        else:
             loss = hidden.sum() * 0.0
         result["mlm_loss"] = loss
-        if nsp_labels is not None:
+        if nsp_labels is not None and self.nsp is not None:
             result["nsp_loss"] = F.cross_entropy(result["nsp_logits"].float(), nsp_labels)
             loss = loss + result["nsp_loss"]
         result["loss"] = loss

@@ -141,12 +141,23 @@ class DecoderLayer(nn.Module):
 
 
 class Encoder(nn.Module):
-    """A stack of N encoder layers (plus a final LayerNorm in the pre-LN arrangement)."""
+    """A stack of N encoder layers (plus a final LayerNorm in the pre-LN arrangement).
 
-    def __init__(self, n_layers: int, norm_position: str = "post", **layer_args: object) -> None:
+    share_layers=True is ALBERT's cross-layer sharing: one layer's weights applied N times.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        norm_position: str = "post",
+        share_layers: bool = False,
+        **layer_args: object,
+    ) -> None:
         super().__init__()
+        n_distinct = 1 if share_layers else n_layers
+        self.repeats = n_layers // n_distinct
         self.layers = nn.ModuleList(
-            EncoderLayer(norm_position=norm_position, **layer_args) for _ in range(n_layers)
+            EncoderLayer(norm_position=norm_position, **layer_args) for _ in range(n_distinct)
         )
         d_model, eps = layer_args["d_model"], layer_args.get("layer_norm_eps", 1e-5)
         self.final_norm = nn.LayerNorm(d_model, eps=eps) if norm_position == "pre" else None
@@ -164,7 +175,7 @@ class Encoder(nn.Module):
         The bias (padding and positional) is built once by the caller and shared by all layers.
         """
         hidden, weights = [], []
-        for layer in self.layers:
+        for layer in (layer for layer in self.layers for _ in range(self.repeats)):
             if output_hidden_states:
                 hidden.append(x)
             x, w = layer(x, bias=bias, rope=rope, need_weights=need_weights)

@@ -478,7 +478,11 @@ def train_wordpiece(
     if len(vocab) <= len(SPECIAL_TOKENS):
         names = ", ".join(str(path) for path in paths)
         raise AttnlabError(f"corpus {names} holds no text to learn a vocabulary from")
-    return BertTokenizer.from_vocab(vocab, lowercase=lowercase, strip_accents=strip_accents)
+    # The trainer lists its alphabet in hash-map order, which differs from run to run; WordPiece
+    # ignores ids when it matches, so sorting the rest makes the same corpus give the same ids.
+    rest = sorted(token for token in vocab if token not in SPECIAL_TOKENS)
+    ordered = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *rest])}
+    return BertTokenizer.from_vocab(ordered, lowercase=lowercase, strip_accents=strip_accents)
 
 
 def _corpus_batches(paths: list[Path], batch_size: int = 1000) -> Iterator[list[str]]:

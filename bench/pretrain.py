@@ -1,0 +1,163 @@
+"""Pretraining step speed: attnlab BertForPreTraining against HF transformers', side by side.
+
+Same config (a preset), batch, sequence length, masking rate (15%), optimizer (AdamW, lr 1e-4,
+weight decay 0.01), threads and precision (fp32 against fp32, bf16 autocast against bf16
+autocast), synthetic token ids. Prints tokens/s for both, the ratio, and each one's model FLOPs
+utilisation against the measured fp32 matmul peak, counting only the FLOPs the model must do
+(forward + backward = 3x forward, with the MLM vocabulary projection on masked positions only).
+
+Usage: python bench/pretrain.py [--preset bert-small] [--batch-size 32] [--seq-len 128]
+       [--steps 10] [--precision fp32|bf16] [--threads T]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import machine, matmul_peak_flops
+
+MASK_RATE = 0.15
+
+
+def synthetic_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random ids with [CLS]/[SEP]-like specials, 15% of positions carrying MLM labels."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, vocab, (batch, seq), generator=g)
+    ids[:, 0], ids[:, -1] = 101, 102
+    labels = torch.full_like(ids, -100)
+    chosen = torch.rand(batch, seq, generator=g) < MASK_RATE
+    chosen[:, 0] = chosen[:, -1] = False
+    labels[chosen] = ids[chosen]
+    ids[chosen] = 103
+    types = torch.zeros_like(ids)
+    types[:, seq // 2 :] = 1
+    nsp = torch.randint(0, 2, (batch,), generator=g)
+    return {"ids": ids, "labels": labels, "types": types, "nsp": nsp}
+
+
+def step_flops(config, batch: int, seq: int, masked: int) -> float:
+    """Training FLOPs of one step (3x forward), MLM projection on masked positions only."""
+    d, f, n, v = config.d_model, config.d_ff, config.n_layers, config.vocab_size
+    tokens = batch * seq
+    encoder = n * (2 * tokens * (4 * d * d + 2 * d * f) + 4 * batch * seq * seq * d)
+    heads = 2 * masked * (d * d + d * v) + 2 * batch * (d * d + 2 * d)
+    return 3 * (encoder + heads)
+
+
+def time_steps(step, steps: int) -> float:
+    """Seconds per step over `steps` steps after two warm-up steps."""
+    step()
+    step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start) / steps
+
+
+def attnlab_step(config, data, precision: str):
+    """One AdamW training step of attnlab's BertForPreTraining."""
+    from attnlab.models.bert import BertForPreTraining
+    from attnlab.train.optim import build_optimizer
+
+    model = BertForPreTraining(config).train()
+    optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.01)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+
+    def step() -> None:
+        with autocast:
+            loss = model(
+                data["ids"], token_type_ids=data["types"], mlm_labels=data["labels"],
+                nsp_labels=data["nsp"],
+            )["loss"]  # fmt: skip
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def hf_step(config, data, precision: str):
+    """One AdamW training step of HF transformers' BertForPreTraining, as its docs train it."""
+    from transformers import BertConfig as HFConfig
+    from transformers import BertForPreTraining as HFPreTraining
+
+    from attnlab.interop.hf import config_to_hf
+
+    model = HFPreTraining(HFConfig(**config_to_hf(config))).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+
+    def step() -> None:
+        with autocast:
+            loss = model(
+                input_ids=data["ids"], token_type_ids=data["types"], labels=data["labels"],
+                next_sentence_label=data["nsp"],
+            ).loss  # fmt: skip
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def main() -> None:
+    """Time both and print one table row and a JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="bert-small")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    from attnlab.config import BertConfig
+
+    config = BertConfig.preset(args.preset)
+    data = synthetic_batch(config.vocab_size, args.batch_size, args.seq_len)
+    masked = int((data["labels"] != -100).sum())
+    flops = step_flops(config, args.batch_size, args.seq_len, masked)
+    peak = matmul_peak_flops()
+    tokens = args.batch_size * args.seq_len
+    print(f"machine: {machine()}; fp32 matmul peak {peak / 1e9:.1f} GFLOP/s", file=sys.stderr)
+    result = {}
+    for name, build in (("hf", hf_step), ("attnlab", attnlab_step)):
+        seconds = time_steps(build(config, data, args.precision), args.steps)
+        result[name] = {"tokens_per_s": tokens / seconds, "mfu": flops / seconds / peak}
+        print(
+            f"{name:8s} {tokens / seconds:9.0f} tokens/s  MFU {flops / seconds / peak:6.1%}",
+            file=sys.stderr,
+        )
+    ratio = result["attnlab"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
+    print(f"ratio attnlab / hf: {ratio:.2f}x", file=sys.stderr)
+    print(
+        json.dumps(
+            {
+                "bench": "pretrain",
+                "preset": args.preset,
+                "batch_size": args.batch_size,
+                "seq_len": args.seq_len,
+                "precision": args.precision,
+                "threads": args.threads,
+                "peak_gflops": peak / 1e9,
+                "ratio": ratio,
+                **result,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,532 @@
+"""BERT pretraining (Devlin et al. 2019, section 3.1 and appendix A): corpus -> masked examples -> trainer.
+
+The recipe joins the parts: a WordPiece vocabulary (given, or trained on the corpus), the
+tokenized corpus in memory-mapped arrays, examples built per epoch (NSP / SOP / full
+sentences), dynamic masking (or static), a BertForPreTraining of a preset size, and the one
+shared trainer (AdamW, warm-up + linear decay, clipping, checkpoints, resume, DDP). The output
+directory is an HF-compatible checkpoint with its tokenizer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnlab.config import BertConfig
+from attnlab.errors import AttnlabError
+from attnlab.interop.hf import load_bert, save_bert
+from attnlab.models.bert import BertForPreTraining
+from attnlab.text.masking import MaskingCollator, static_generator
+from attnlab.text.pretraining import OBJECTIVES, Example, ExampleBuilder, TokenizedCorpus
+from attnlab.text.tokenizer import BertTokenizer, train_wordpiece
+from attnlab.train.data import Batch
+from attnlab.train.distributed import (
+    all_reduce_sum,
+    barrier,
+    init_distributed,
+    shutdown_distributed,
+)
+from attnlab.train.trainer import METRICS_FILE, TrainConfig, Trainer
+
+TOKENIZER_DIR = "tokenizer"  # inside the output: the vocabulary a resumed run must reuse
+
+
+def bundled_corpus() -> Path:
+    """The small Chinese + English corpus shipped with attnlab (see attnlab/data/README.md)."""
+    return Path(str(resources.files("attnlab").joinpath("data/pretrain_sample.txt")))
+
+
+def default_cache_dir() -> Path:
+    """Where tokenized corpora are cached between runs ($ATTNLAB_CACHE or ~/.cache/attnlab)."""
+    root = os.environ.get("ATTNLAB_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "attnlab"
+    )
+    return Path(root) / "corpora"
+
+
+def example_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """The masking generator of global example `index` in `epoch` (dynamic masking)."""
+    # One stream per example, not per batch: a rank masking its slice of a global batch draws
+    # exactly what one process masking the whole batch would, so DDP equals one process.
+    return static_generator(seed * 1_000_003 + epoch, index)
+
+
+class PretrainingBatches:
+    """The pretraining BatchSource: each step's global batch, split into micro-batches and ranks.
+
+    One optimiser step reads ``batch_size`` examples. They are masked example by example (each
+    with its own generator), cut into ``grad_accum`` micro-batches, and each micro-batch into
+    ``world_size`` row slices; this rank gets its slices. Every micro-batch also carries
+    ``mlm_normalizer`` = (masked tokens in the whole step) / (micro-batches x ranks), so that
+    averaging over accumulation steps and DDP ranks gives exactly the loss (and gradient) of
+    one process reading the whole batch at once: the mean over all masked tokens of the step.
+
+    Position = (epoch, steps already read in that epoch); resuming regenerates the epoch's
+    examples (cheap: no model work) and skips those. Static masking reuses epoch 0's examples
+    and masks every epoch.
+    """
+
+    def __init__(
+        self,
+        builder: ExampleBuilder,
+        collator: MaskingCollator,
+        batch_size: int,
+        grad_accum: int = 1,
+        seed: int = 0,
+        static_masking: bool = False,
+    ) -> None:
+        if batch_size % grad_accum:
+            raise AttnlabError(
+                f"--batch-size {batch_size} must be divisible by --grad-accum {grad_accum}"
+            )
+        self.builder, self.collator = builder, collator
+        self.batch_size, self.grad_accum = batch_size, grad_accum
+        self.seed, self.static = seed, static_masking
+        self.epoch, self.position = 0, 0
+        self.rank, self.world_size = 0, 1
+
+    def set_rank(self, rank: int, world_size: int) -> None:
+        """Take this rank's rows of every micro-batch."""
+        if (self.batch_size // self.grad_accum) % world_size:
+            raise AttnlabError(
+                f"--batch-size {self.batch_size} / --grad-accum {self.grad_accum} must be "
+                f"divisible by the {world_size} processes"
+            )
+        self.rank, self.world_size = rank, world_size
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the stream stands (read between optimiser steps)."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go back to a saved position."""
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+    def _step_batches(self, chunk: list[Example], first: int, epoch: int) -> list[Batch]:
+        """This rank's micro-batches of one step; every rank masks the whole step to count N."""
+        micro = self.batch_size // self.grad_accum
+        share = micro // self.world_size
+        batches, masked = [], 0
+        for start in range(0, self.batch_size, micro):
+            generators = [
+                example_generator(self.seed, epoch, first + start + i) for i in range(micro)
+            ]
+            full = self.collator(chunk[start : start + micro], generators)
+            masked += int((full["mlm_labels"] != -100).sum())
+            rows = slice(self.rank * share, (self.rank + 1) * share)
+            batches.append({k: v[rows] for k, v in full.items()})
+        normalizer = torch.tensor(max(masked, 1) / (self.grad_accum * self.world_size))
+        for batch in batches:
+            batch["mlm_normalizer"] = normalizer
+        return batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            epoch = 0 if self.static else self.epoch
+            examples = itertools.islice(
+                self.builder.epoch(epoch), self.position * self.batch_size, None
+            )
+            produced = False
+            while True:
+                chunk = list(itertools.islice(examples, self.batch_size))
+                if len(chunk) < self.batch_size:
+                    break  # drop the last incomplete batch: every step sees B examples
+                step_batches = self._step_batches(chunk, self.position * self.batch_size, epoch)
+                produced = True
+                for i, batch in enumerate(step_batches):
+                    if i == len(step_batches) - 1:
+                        self.position += 1  # the step is read once its last micro-batch is
+                    yield batch
+            if not produced and self.position == 0:
+                raise AttnlabError(
+                    f"the corpus yields fewer than --batch-size {self.batch_size} examples "
+                    "per epoch: use a smaller batch or more text"
+                )
+            self.epoch, self.position = self.epoch + 1, 0
+
+
+def evaluation(
+    builder: ExampleBuilder, collator: MaskingCollator, n_examples: int, batch_size: int, seed: int
+) -> Callable[[nn.Module], dict[str, float]]:
+    """A fixed held-out set (same examples and masks every time) and the function that scores it."""
+    examples = list(itertools.islice(builder.epoch(0), n_examples))
+    batches = []
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        gens = [example_generator(seed + 7919, 0, start + i) for i in range(len(chunk))]
+        batches.append(collator(chunk, gens))
+
+    def evaluate(model: nn.Module) -> dict[str, float]:
+        totals = {
+            "mlm_loss": 0.0,
+            "mlm_correct": 0,
+            "mlm_count": 0,
+            "nsp_correct": 0,
+            "nsp_count": 0,
+        }
+        device = next(model.parameters()).device
+        for batch in batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            out = model(**batch)
+            labels = batch["mlm_labels"][batch["mlm_labels"] != -100]
+            if labels.numel():
+                logits = out["mlm_logits"].float()
+                totals["mlm_loss"] += float(
+                    torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+                )
+                totals["mlm_correct"] += int((logits.argmax(-1) == labels).sum())
+                totals["mlm_count"] += labels.numel()
+            if "nsp_labels" in batch and "nsp_logits" in out:
+                predicted = out["nsp_logits"].argmax(-1)
+                totals["nsp_correct"] += int((predicted == batch["nsp_labels"]).sum())
+                totals["nsp_count"] += batch["nsp_labels"].numel()
+        metrics = {}
+        if totals["mlm_count"]:
+            metrics["eval_mlm_loss"] = totals["mlm_loss"] / totals["mlm_count"]
+            metrics["eval_mlm_accuracy"] = totals["mlm_correct"] / totals["mlm_count"]
+        if totals["nsp_count"]:
+            key = "eval_sop_accuracy" if builder.objective == "mlm+sop" else "eval_nsp_accuracy"
+            metrics[key] = totals["nsp_correct"] / totals["nsp_count"]
+        return metrics
+
+    return evaluate
+
+
+@dataclass
+class PretrainOptions:
+    """Every setting of a pretraining run (CLI flags and config-file keys use these names)."""
+
+    out: Path
+    corpus: list[Path] = field(default_factory=list)
+    preset: str = "bert-mini"
+    objective: str = "mlm+nsp"
+    steps: int = 1000
+    batch_size: int = 32
+    seq_len: int = 128
+    lr: float = 1e-4
+    warmup: int | None = None  # None: 10% of steps (the paper: 10k of 1M)
+    grad_accum: int = 1
+    whole_word_masking: bool = False
+    static_masking: bool = False
+    mask_prob: float = 0.15
+    save_every: int = 500
+    keep_last: int = 3
+    eval_every: int = 0
+    eval_documents: int = 200
+    eval_examples: int = 512
+    log_every: int = 10
+    resume: bool = False
+    overwrite: bool = False
+    seed: int = 0
+    precision: str = "fp32"
+    tokenizer: Path | None = None
+    vocab_size: int = 8000
+    init: Path | None = None
+    position_encoding: str = "learned"
+    embedding_size: int | None = None
+    share_layers: bool = False
+    dropout: float | None = None  # None: the preset's 0.1 (hidden and attention dropout)
+    cache_dir: Path | None = None
+    progress: bool = True
+
+    def validate(self) -> None:
+        """Raise AttnlabError for impossible settings, before anything is written."""
+        if self.objective not in OBJECTIVES:
+            raise AttnlabError(
+                f"unknown objective {self.objective!r} (choose from {', '.join(OBJECTIVES)})"
+            )
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.resume and self.overwrite:
+            raise AttnlabError("--resume and --overwrite contradict each other: choose one")
+
+
+def _check_out(opts: PretrainOptions) -> None:
+    # The trainer checks this too, but the tokenizer is written before it starts.
+    out = opts.out
+    if out.exists() and not out.is_dir():
+        raise AttnlabError(f"--out {out} exists and is not a directory")
+    holds_run = (out / METRICS_FILE).exists() or (out / "checkpoints").is_dir()
+    if out.is_dir() and any(out.iterdir()) and not (opts.resume or opts.overwrite):
+        what = "holds a run" if holds_run else "already holds files"
+        raise AttnlabError(f"--out {out} {what}: pass --resume to continue or --overwrite")
+    if opts.resume and out.is_dir() and not holds_run and any(out.iterdir()):
+        raise AttnlabError(f"--resume: {out} holds no pretraining run to resume")
+
+
+def _tokenizer(opts: PretrainOptions, files: list[Path]) -> BertTokenizer:
+    """The run's vocabulary: a resumed run's own, --tokenizer, --init's, or one trained now."""
+    saved = opts.out / TOKENIZER_DIR
+    if opts.resume and (saved / "vocab.txt").is_file():
+        return BertTokenizer.from_dir(saved)
+    if opts.tokenizer is not None:
+        return BertTokenizer.from_dir(opts.tokenizer)
+    if opts.init is not None:
+        return BertTokenizer.from_dir(opts.init)
+    return train_wordpiece(files, opts.vocab_size)
+
+
+def _save_tokenizer(opts: PretrainOptions, tokenizer: BertTokenizer) -> None:
+    saved = opts.out / TOKENIZER_DIR
+    if saved.exists() and opts.resume:
+        return
+    if saved.exists():  # --overwrite: this run's vocabulary replaces the old run's
+        shutil.rmtree(saved)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(saved)
+
+
+def build_model(opts: PretrainOptions, tokenizer: BertTokenizer) -> BertForPreTraining:
+    """A fresh preset-sized BertForPreTraining, or one initialised from --init."""
+    sentence_head = opts.objective != "mlm"
+    if opts.init is not None:
+        model = load_bert(opts.init, heads=True)
+        if model.config.vocab_size < tokenizer.vocab_size:
+            raise AttnlabError("--init model's vocabulary is smaller than the tokenizer's")
+        if model.config.max_positions < opts.seq_len:
+            raise AttnlabError(
+                f"--seq-len {opts.seq_len} is above the model's max positions "
+                f"({model.config.max_positions})"
+            )
+        if not sentence_head and model.nsp is not None:
+            model.nsp, model.bert.pooler = None, None
+        return model.train()
+    config = BertConfig.preset(
+        opts.preset,
+        vocab_size=tokenizer.vocab_size,
+        pad_token_id=tokenizer.pad_id,
+        position_encoding=opts.position_encoding,
+        embedding_size=opts.embedding_size,
+        share_layers=opts.share_layers,
+    )
+    if opts.dropout is not None:
+        config = config.replace(dropout=opts.dropout, attention_dropout=opts.dropout)
+    if opts.seq_len > config.max_positions:
+        raise AttnlabError(
+            f"--seq-len {opts.seq_len} is above the model's max positions ({config.max_positions})"
+        )
+    return BertForPreTraining(config, sentence_head=sentence_head)
+
+
+@dataclass
+class _Job:
+    """Everything a rank needs to train, built and checked before anything is written."""
+
+    model: BertForPreTraining
+    batches: PretrainingBatches
+    evaluate: Callable[[nn.Module], dict[str, float]] | None
+
+
+def _prepare(opts: PretrainOptions, files: list[Path], tokenizer: BertTokenizer) -> _Job:
+    corpus = TokenizedCorpus.build(
+        files,
+        tokenizer,
+        opts.cache_dir or default_cache_dir(),
+        chinese_words=opts.whole_word_masking,
+        progress=opts.progress,
+    )
+    held_out = min(opts.eval_documents, corpus.n_documents // 10)
+    train_view, eval_view = corpus.split(held_out) if held_out >= 2 else (corpus, None)
+    special = {tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id, tokenizer.mask_id}
+    collator = MaskingCollator(
+        tokenizer.pad_id,
+        tokenizer.mask_id,
+        tokenizer.vocab_size,
+        special | {tokenizer.unk_id},
+        mask_prob=opts.mask_prob,
+        whole_word=opts.whole_word_masking,
+    )
+    builder = ExampleBuilder(
+        train_view, tokenizer.cls_id, tokenizer.sep_id, opts.seq_len, opts.objective, seed=opts.seed
+    )
+    if sum(1 for _ in itertools.islice(builder.epoch(0), opts.batch_size)) < opts.batch_size:
+        raise AttnlabError(
+            f"the corpus yields fewer than --batch-size {opts.batch_size} examples per epoch: "
+            "use a smaller batch or more text"
+        )
+    batches = PretrainingBatches(
+        builder, collator, opts.batch_size, opts.grad_accum, opts.seed, opts.static_masking
+    )
+    evaluate = None
+    if eval_view is not None and (eval_view.n_documents >= 2 or opts.objective != "mlm+nsp"):
+        eval_builder = ExampleBuilder(
+            eval_view, tokenizer.cls_id, tokenizer.sep_id, opts.seq_len, opts.objective, seed=12345
+        )
+        evaluate = evaluation(
+            eval_builder, collator, opts.eval_examples, opts.batch_size, opts.seed
+        )
+    torch.manual_seed(opts.seed)  # the initial weights are part of the run's reproducibility
+    return _Job(build_model(opts, tokenizer), batches, evaluate)
+
+
+def pretrain(opts: PretrainOptions) -> dict[str, Any]:
+    """Run (or resume) a pretraining job; returns the trainer's summary."""
+    opts.validate()
+    files = [Path(f) for f in opts.corpus] or [bundled_corpus()]
+    for file in files:
+        if not file.is_file():
+            raise AttnlabError(f"corpus file {file} not found")
+    rank, _, _ = init_distributed()
+    _check_out(opts)  # on every rank, before any rank writes
+    # Rank 0 makes the vocabulary, tokenizes and checks everything; only then is anything
+    # written to --out. A failure is shared with every rank, so none waits at a barrier.
+    failure: AttnlabError | None = None
+    if rank == 0:
+        try:
+            tokenizer = _tokenizer(opts, files)
+            job = _prepare(opts, files, tokenizer)
+        except AttnlabError as err:
+            failure = err
+    if int(all_reduce_sum(torch.tensor([0 if failure is None else 1]))):
+        raise failure or AttnlabError("rank 0 could not prepare the data (see its message)")
+    if rank == 0:
+        _save_tokenizer(opts, tokenizer)
+    barrier()
+    if rank != 0:
+        tokenizer = BertTokenizer.from_dir(opts.out / TOKENIZER_DIR)
+        job = _prepare(opts, files, tokenizer)
+    config = TrainConfig(
+        out_dir=opts.out,
+        steps=opts.steps,
+        lr=opts.lr,
+        warmup=opts.warmup if opts.warmup is not None else opts.steps // 10,
+        schedule="linear",
+        optimizer="adamw",
+        grad_accum=opts.grad_accum,
+        precision=opts.precision,
+        seed=opts.seed,
+        log_every=opts.log_every,
+        eval_every=opts.eval_every,
+        save_every=opts.save_every,
+        keep_last=opts.keep_last,
+        resume=opts.resume,
+        overwrite=opts.overwrite,
+        progress=opts.progress,
+    )
+    summary = Trainer(job.model, job.batches, config, job.evaluate).fit()
+    if rank == 0:
+        save_bert(job.model.eval(), opts.out / "final.tmp", tokenizer, overwrite=True)
+        _publish(opts.out / "final.tmp", opts.out)
+    barrier()
+    shutdown_distributed()
+    return summary
+
+
+def _publish(stage: Path, out: Path) -> None:
+    # The finished model's files replace any earlier ones in out/, each by an atomic rename,
+    # so out/ is an HF checkpoint directory (config.json, model.safetensors, vocab files).
+    for item in stage.iterdir():
+        os.replace(item, out / item.name)
+    stage.rmdir()
+
+
+# ---------------------------------------------------------------------------- speed
+
+
+def synthetic_batch(
+    vocab_size: int, batch_size: int, seq_len: int, mask_prob: float = 0.15, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random token ids as a masked pretraining batch ([CLS]/[SEP] at the ends, 15% labelled)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab_size, (batch_size, seq_len), generator=g)
+    ids[:, 0], ids[:, -1] = 2, 3
+    labels = torch.full_like(ids, -100)
+    chosen = torch.rand(batch_size, seq_len, generator=g) < mask_prob
+    chosen[:, 0] = chosen[:, -1] = False
+    labels[chosen] = ids[chosen]
+    ids[chosen] = 4
+    types = torch.zeros_like(ids)
+    types[:, seq_len // 2 :] = 1
+    return {
+        "input_ids": ids,
+        "token_type_ids": types,
+        "mlm_labels": labels,
+        "nsp_labels": torch.randint(0, 2, (batch_size,), generator=g),
+    }
+
+
+def training_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, precision: str = "fp32"
+) -> Callable[[dict[str, torch.Tensor]], float]:
+    """The trainer's step (forward, backward, clip to 1.0, AdamW step) as a function of a batch."""
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+
+    def step(batch: dict[str, torch.Tensor]) -> float:
+        with autocast:
+            loss = model(**batch)["loss"]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+def bench_pretraining(
+    preset: str, batch_size: int, seq_len: int, steps: int, precision: str = "fp32"
+) -> dict[str, Any]:
+    """Time `steps` training steps of a preset on synthetic data (after 2 warm-up steps)."""
+    from attnlab.train.optim import build_optimizer
+
+    if steps < 1 or batch_size < 1 or seq_len < 3:
+        raise AttnlabError("--steps and --batch-size must be >= 1 and --seq-len >= 3")
+    torch.manual_seed(0)
+    config = BertConfig.preset(preset)
+    if seq_len > config.max_positions:
+        raise AttnlabError(f"--seq-len {seq_len} is above max positions ({config.max_positions})")
+    model = BertForPreTraining(config).train()
+    step = training_step(model, build_optimizer(model, lr=1e-4), precision)
+    batch = synthetic_batch(config.vocab_size, batch_size, seq_len)
+    step(batch)
+    step(batch)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(batch)
+    seconds = (time.perf_counter() - start) / steps
+    return {
+        "preset": preset,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "steps": steps,
+        "precision": precision,
+        "threads": torch.get_num_threads(),
+        "seconds_per_step": seconds,
+        "tokens_per_s": batch_size * seq_len / seconds,
+    }
+
+
+# ---------------------------------------------------------------------------- fill-mask
+
+
+@torch.inference_mode()
+def fill_mask(
+    model: BertForPreTraining, tokenizer: BertTokenizer, text: str, top_k: int = 5
+) -> list[list[tuple[str, float]]]:
+    """For each [MASK] in text, the top_k (token, probability) predictions of the MLM head."""
+    if top_k < 1:
+        raise AttnlabError("--top-k must be at least 1")
+    enc = tokenizer.encode(text, max_length=model.config.max_positions)
+    ids = torch.tensor([enc.ids])
+    positions = (ids[0] == tokenizer.mask_id).nonzero().flatten()
+    if len(positions) == 0:
+        raise AttnlabError(f"no [MASK] in {text!r}: mark each position to fill with [MASK]")
+    hidden = model.bert(ids, token_type_ids=torch.tensor([enc.type_ids])).last_hidden_state
+    probs = torch.softmax(model.mlm(hidden[0, positions]).float(), dim=-1)
+    top = probs.topk(min(top_k, probs.shape[-1]), dim=-1)
+    return [
+        list(zip(tokenizer.convert_ids_to_tokens(idx.tolist()), p.tolist(), strict=True))
+        for p, idx in zip(top.values, top.indices, strict=True)
+    ]

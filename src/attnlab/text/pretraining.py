@@ -1,0 +1,751 @@
+"""BERT pretraining examples from plain text (Devlin et al. 2019, §3.1 and Appendix A.2).
+
+The pipeline follows google-research/bert's `create_pretraining_data.py`: text is read as
+documents of sentences, tokenized once into memory-mapped arrays (`TokenizedCorpus`, so a
+corpus larger than RAM trains), and `ExampleBuilder` turns each document into
+`[CLS] A [SEP] B [SEP]` pairs with `create_instances_from_document`'s logic: sentences are
+gathered into a chunk until a target length, A is a random prefix of the chunk, and B is
+the rest (IsNext) or, half the time, text from another document (NotNext). Two variants
+the notes name are built from the same corpus: RoBERTa's full sentences without NSP
+(Liu et al. 2019, §4.2 "DOC-SENTENCES") and ALBERT's sentence-order prediction (Lan et al.
+2020, §3.1). Masking happens later, per batch, in `attnlab.text.masking`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import BinaryIO
+
+import numpy as np
+import tokenizers
+from tqdm import tqdm
+
+from attnlab.errors import AttnlabError
+from attnlab.text.tokenizer import BertTokenizer
+
+OBJECTIVES = ("mlm", "mlm+nsp", "mlm+sop")
+IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, HF's convention (SOP: 0 = in order, 1 = swapped)
+NO_LABEL = -1  # the label of an 'mlm' example, which has no sentence-level task
+
+# Bumped whenever the cache layout or the tokenization rules change, so old caches miss.
+_CACHE_FORMAT = 1
+_CHUNK_SENTENCES = 10_000
+
+# ---- sentences and documents -------------------------------------------------------------
+
+# A run of sentence-final punctuation and the closing quotes or brackets that follow it.
+_SENTENCE_END = re.compile(r"[.!?。！？；…]+[\"'”’»)）\]】」』》〉]*")
+_CJK_FINAL = frozenset("。！？；…")
+_CJK_OR_FULL_WIDTH = re.compile(r"[\u3400-\u9fff\uf900-\ufaff\u3000-\u303f\uff00-\uffef]")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Split plain Chinese or English text into sentences, never returning empty strings."""
+    sentences, start = [], 0
+    for match in _SENTENCE_END.finditer(text):
+        end = match.end()
+        following = text[end : end + 1]
+        # Chinese full stops end a sentence wherever they stand; an English '.', '!' or '?'
+        # only before a space or the end, so that 3.14 and U.S.A stay whole (and '!' or
+        # '?' before a Chinese character too, as in 真的吗?是的).
+        cjk_final = any(char in _CJK_FINAL for char in match.group())
+        exclaims = any(char in "!?" for char in match.group())
+        if (
+            cjk_final
+            or not following
+            or following.isspace()
+            or (exclaims and _CJK_OR_FULL_WIDTH.match(following))
+        ):
+            sentence = text[start:end].strip()
+            if sentence:
+                sentences.append(sentence)
+            start = end
+    tail = text[start:].strip()
+    if tail:
+        sentences.append(tail)
+    return sentences
+
+
+def read_documents(path: str | Path) -> Iterator[list[str]]:
+    """Yield the documents of a UTF-8 text file (.gz too), each a list of sentences.
+
+    With blank lines between documents (google-research/bert's layout) each line holds
+    sentences of the current document; without them each non-empty line is one document.
+    Lines pass through `split_sentences` in both layouts, which leaves a line holding one
+    sentence as it is and splits paragraph lines (wikitext) into sentences.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise AttnlabError(f"corpus file {path} not found")
+    blank_separated = _has_blank_separator(path)
+    document: list[str] = []
+    for line in _read_lines(path):
+        if not line.strip():
+            if document:
+                yield document
+                document = []
+            continue
+        document.extend(split_sentences(line))
+        if not blank_separated and document:
+            yield document
+            document = []
+    if document:
+        yield document
+
+
+def _open_binary(path: Path) -> BinaryIO:
+    """Open a corpus file for reading bytes, decompressing .gz."""
+    try:
+        return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+    except OSError as error:
+        raise AttnlabError(f"cannot read corpus file {path}: {error}") from error
+
+
+def _has_blank_separator(path: Path) -> bool:
+    """Whether a blank line stands between two non-blank lines (a document separator)."""
+    seen_text = seen_blank = False
+    try:
+        with _open_binary(path) as stream:
+            for raw in stream:
+                if raw.strip():
+                    if seen_blank:
+                        return True
+                    seen_text = True
+                elif seen_text:
+                    seen_blank = True
+    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
+        raise AttnlabError(f"cannot read corpus file {path}: {error}") from error
+    return False
+
+
+def _read_lines(path: Path) -> Iterator[str]:
+    """Yield the lines of a file as text, naming the line of any non-UTF-8 byte."""
+    try:
+        with _open_binary(path) as stream:
+            for line_number, raw in enumerate(stream, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    raise AttnlabError(
+                        f"{path}, line {line_number}: not valid UTF-8 "
+                        f"(byte {raw[error.start]:#04x} at column {error.start + 1})"
+                    ) from error
+                yield line
+    except (OSError, EOFError) as error:
+        raise AttnlabError(f"cannot read corpus file {path}: {error}") from error
+
+
+# ---- tokenized corpus ----------------------------------------------------------------------
+
+# name -> dtype of each array file in a cache directory; lengths live in meta.json.
+_ARRAYS = {
+    "tokens": np.int32,
+    "word_starts": np.uint8,
+    "sentence_offsets": np.int64,
+    "document_offsets": np.int64,
+}
+
+
+class TokenizedCorpus:
+    """Token ids of a corpus in memory-mapped arrays, so a corpus larger than RAM trains."""
+
+    tokens: np.ndarray  # int32 (n_tokens,): every sentence's WordPiece ids, no specials
+    word_starts: np.ndarray  # uint8 (n_tokens,): 1 where a token starts a word
+    sentence_offsets: np.ndarray  # int64 (n_sentences + 1,): sentence i is tokens[o[i]:o[i+1]]
+    document_offsets: np.ndarray  # int64 (n_documents + 1,): indices into the sentences
+
+    def __init__(self, directory: str | Path) -> None:
+        """Map the arrays of a cache directory written by `build` (use `open`)."""
+        self.directory = Path(directory)
+        meta_path = self.directory / "meta.json"
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise AttnlabError(
+                f"{self.directory} is not a tokenized corpus (cannot read meta.json: {error})"
+            ) from error
+        if not isinstance(meta, dict) or meta.get("format") != _CACHE_FORMAT:
+            raise AttnlabError(
+                f"{meta_path} is not a tokenized corpus of format {_CACHE_FORMAT}: rebuild it"
+            )
+        self.meta = meta
+        for name, dtype in _ARRAYS.items():
+            path = self.directory / f"{name}.bin"
+            length = meta.get("lengths", {}).get(name)
+            if not isinstance(length, int):
+                raise AttnlabError(f"{meta_path} lacks the length of {name}: rebuild the cache")
+            expected = length * np.dtype(dtype).itemsize
+            if not path.is_file() or path.stat().st_size != expected:
+                raise AttnlabError(f"{path} is missing or truncated: rebuild the corpus cache")
+            setattr(self, name, np.memmap(path, dtype=dtype, mode="r", shape=(length,)))
+
+    @classmethod
+    def open(cls, directory: str | Path) -> TokenizedCorpus:
+        """Open a corpus cache directory written by `build`."""
+        return cls(directory)
+
+    @classmethod
+    def build(
+        cls,
+        files: list[str | Path],
+        tokenizer: BertTokenizer,
+        cache_dir: str | Path,
+        chinese_words: bool = False,
+        progress: bool = False,
+    ) -> TokenizedCorpus:
+        """Tokenize text files into cache_dir/<fingerprint>/, or reuse that cache if present.
+
+        The fingerprint covers each file's absolute path, size and modification time, the
+        vocabulary and normalisation of `tokenizer`, and `chinese_words`. With
+        `chinese_words` a Chinese character starts a word only where jieba's segmentation
+        starts one, for whole-word masking of Chinese (Cui et al. 2021, BERT-wwm).
+        """
+        paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
+        if not paths:
+            raise AttnlabError("a tokenized corpus needs at least one text file")
+        paths = [path.resolve() for path in paths]
+        for path in paths:
+            if not path.is_file():
+                raise AttnlabError(f"corpus file {path} not found")
+        cache_root = Path(cache_dir)
+        target = cache_root / _fingerprint(paths, tokenizer, chinese_words)
+        if (target / "meta.json").is_file():
+            return cls(target)
+        segmenter = _jieba() if chinese_words else None
+
+        cache_root.mkdir(parents=True, exist_ok=True)
+        # Built under a temporary name and renamed, so a crash or a concurrent build never
+        # leaves a half-written cache where `open` would find it.
+        scratch = cache_root / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        scratch.mkdir()
+        try:
+            _write_corpus(paths, tokenizer, segmenter, scratch, progress)
+            try:
+                os.rename(scratch, target)
+            except OSError:
+                if not (target / "meta.json").is_file():
+                    raise
+                shutil.rmtree(scratch)  # another process built the same cache first
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        return cls(target)
+
+    # ---- access ----------------------------------------------------------------------------
+
+    @property
+    def n_documents(self) -> int:
+        """Number of documents."""
+        return len(self.document_offsets) - 1
+
+    @property
+    def n_sentences(self) -> int:
+        """Number of sentences."""
+        return len(self.sentence_offsets) - 1
+
+    @property
+    def n_tokens(self) -> int:
+        """Number of tokens."""
+        return len(self.tokens)
+
+    def sentence(self, i: int) -> np.ndarray:
+        """Token ids of sentence `i` (a read-only view)."""
+        return self.tokens[self.sentence_offsets[i] : self.sentence_offsets[i + 1]]
+
+    def sentence_word_starts(self, i: int) -> np.ndarray:
+        """Word-start flags of sentence `i`."""
+        return self.word_starts[self.sentence_offsets[i] : self.sentence_offsets[i + 1]]
+
+    def sentence_ids(self, document: int) -> range:
+        """Indices of the sentences of `document`."""
+        return range(int(self.document_offsets[document]), int(self.document_offsets[document + 1]))
+
+    def document(self, i: int) -> list[np.ndarray]:
+        """Token ids of each sentence of document `i`."""
+        return [self.sentence(s) for s in self.sentence_ids(i)]
+
+    def split(self, eval_documents: int) -> tuple[CorpusView, CorpusView]:
+        """Hold out the last `eval_documents` documents: (train view, eval view).
+
+        The last documents rather than a random draw: the held-out set then needs no seed
+        and stays the same whatever the training run's settings.
+        """
+        if not 0 <= eval_documents < self.n_documents:
+            raise AttnlabError(
+                f"cannot hold out {eval_documents} of {self.n_documents} documents: "
+                "keep at least one for training"
+            )
+        boundary = self.n_documents - eval_documents
+        everything = np.arange(self.n_documents, dtype=np.int64)
+        return CorpusView(self, everything[:boundary]), CorpusView(self, everything[boundary:])
+
+    def __getstate__(self) -> dict:
+        # Pickled for DataLoader workers: ship the directory, not the mapped arrays (which
+        # pickle as full in-memory copies).
+        return {"directory": str(self.directory)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["directory"])
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenizedCorpus({str(self.directory)!r}, documents={self.n_documents}, "
+            f"sentences={self.n_sentences}, tokens={self.n_tokens})"
+        )
+
+
+class CorpusView:
+    """A subset of a corpus's documents, with the same document API."""
+
+    def __init__(self, corpus: TokenizedCorpus, documents: np.ndarray) -> None:
+        """View the documents of `corpus` whose indices are in `documents`."""
+        self.corpus = corpus
+        self.documents = np.asarray(documents, dtype=np.int64)
+
+    @property
+    def n_documents(self) -> int:
+        """Number of documents in the view."""
+        return len(self.documents)
+
+    @property
+    def n_sentences(self) -> int:
+        """Number of sentences in the view."""
+        offsets = self.corpus.document_offsets
+        return int(np.sum(offsets[self.documents + 1] - offsets[self.documents]))
+
+    @property
+    def n_tokens(self) -> int:
+        """Number of tokens in the view."""
+        sentences = self.corpus.sentence_offsets
+        documents = self.corpus.document_offsets
+        first = sentences[documents[self.documents]]
+        last = sentences[documents[self.documents + 1]]
+        return int(np.sum(last - first))
+
+    def sentence_ids(self, document: int) -> range:
+        """Indices (into the whole corpus) of the sentences of the view's `document`."""
+        return self.corpus.sentence_ids(int(self.documents[document]))
+
+    def document(self, i: int) -> list[np.ndarray]:
+        """Token ids of each sentence of the view's document `i`."""
+        return self.corpus.document(int(self.documents[i]))
+
+    def __repr__(self) -> str:
+        return f"CorpusView({self.corpus!r}, documents={self.n_documents})"
+
+
+def _fingerprint(paths: list[Path], tokenizer: BertTokenizer, chinese_words: bool) -> str:
+    """A name for the cache that changes whenever the tokenized arrays could change."""
+    vocab = tokenizer.vocab
+    tokens_in_id_order = "\n".join(sorted(vocab, key=vocab.__getitem__))
+    key = {
+        "format": _CACHE_FORMAT,
+        "files": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths],
+        "vocab_sha256": hashlib.sha256(tokens_in_id_order.encode("utf-8")).hexdigest(),
+        "lowercase": tokenizer.lowercase,
+        "strip_accents": tokenizer.strip_accents,
+        "tokenize_chinese_chars": tokenizer.tokenize_chinese_chars,
+        "chinese_words": chinese_words,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()[:20]
+
+
+def _jieba() -> ModuleType:
+    """The jieba module, imported only for Chinese whole-word boundaries."""
+    try:
+        import jieba
+    except ImportError as error:
+        raise AttnlabError(
+            "chinese_words needs the jieba package for word segmentation: pip install jieba"
+        ) from error
+    import logging
+
+    jieba.setLogLevel(logging.WARNING)  # silence its "Building prefix dict" chatter
+    return jieba
+
+
+def _encode_chunk(tokenizer: BertTokenizer, sentences: list[str]) -> list[tokenizers.Encoding]:
+    """WordPiece encodings of sentences, without specials or truncation."""
+    # The untruncated backend: a pretraining sentence longer than the model's max_length
+    # is cut later, by the example builder, not dropped here.
+    return tokenizer.backend.encode_batch(sentences, add_special_tokens=False)
+
+
+def _write_corpus(
+    paths: list[Path],
+    tokenizer: BertTokenizer,
+    segmenter: ModuleType | None,
+    out: Path,
+    progress: bool,
+) -> None:
+    """Stream documents through the tokenizer in chunks, appending to the array files."""
+    writer = _CorpusWriter(out, tokenizer, segmenter)
+    with tqdm(desc="tokenizing", unit=" sentences", disable=not progress) as bar:
+        try:
+            sentences: list[str] = []
+            ends_document: list[bool] = []  # True for the last sentence of each document
+            for path in paths:
+                for document in read_documents(path):
+                    sentences.extend(document)
+                    ends_document.extend([False] * (len(document) - 1) + [True])
+                    if len(sentences) >= _CHUNK_SENTENCES:
+                        writer.write(sentences, ends_document)
+                        bar.update(len(sentences))
+                        sentences, ends_document = [], []
+            if sentences:
+                writer.write(sentences, ends_document)
+                bar.update(len(sentences))
+            writer.finish()
+        finally:
+            writer.close()
+    if writer.n_sentences == 0:
+        names = ", ".join(str(path) for path in paths)
+        raise AttnlabError(f"corpus {names} has no text")
+    meta = {
+        "format": _CACHE_FORMAT,
+        "files": [str(path) for path in paths],
+        "lengths": {
+            "tokens": writer.n_tokens,
+            "word_starts": writer.n_tokens,
+            "sentence_offsets": writer.n_sentences + 1,
+            "document_offsets": writer.n_documents + 1,
+        },
+        "chinese_words": segmenter is not None,
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+
+
+class _CorpusWriter:
+    """Appends tokenized chunks of sentences to the array files of a cache directory."""
+
+    def __init__(self, out: Path, tokenizer: BertTokenizer, segmenter: ModuleType | None) -> None:
+        """Create the array files in `out`, each offsets file starting with its 0."""
+        self.tokenizer = tokenizer
+        self.segmenter = segmenter
+        self.continuation = np.zeros(tokenizer.vocab_size, dtype=bool)
+        for token, token_id in tokenizer.vocab.items():
+            self.continuation[token_id] = token.startswith("##")
+        self.handles = {name: open(out / f"{name}.bin", "wb") for name in _ARRAYS}  # noqa: SIM115
+        self.handles["sentence_offsets"].write(np.zeros(1, np.int64).tobytes())
+        self.handles["document_offsets"].write(np.zeros(1, np.int64).tobytes())
+        self.n_tokens = self.n_sentences = self.n_documents = 0
+        self.sentences_at_document_end = 0
+
+    def write(self, sentences: list[str], ends_document: list[bool]) -> None:
+        """Tokenize a chunk of sentences and append them; `ends_document` marks each document's last."""
+        token_arrays, start_arrays = [], []
+        sentence_ends, document_ends = [], []
+        encodings = _encode_chunk(self.tokenizer, sentences)
+        for text, encoding, last in zip(sentences, encodings, ends_document, strict=True):
+            ids = np.asarray(encoding.ids, dtype=np.int32)
+            # A sentence of only control characters tokenizes to nothing: drop it.
+            if len(ids):
+                starts = ~self.continuation[ids]
+                if self.segmenter is not None:
+                    starts = _chinese_word_starts(self.segmenter, text, encoding.offsets, starts)
+                token_arrays.append(ids)
+                start_arrays.append(starts.astype(np.uint8))
+                self.n_tokens += len(ids)
+                self.n_sentences += 1
+                sentence_ends.append(self.n_tokens)
+            # Documents left without sentences are dropped, as google-research/bert does.
+            if last and self.n_sentences > self.sentences_at_document_end:
+                self.sentences_at_document_end = self.n_sentences
+                document_ends.append(self.n_sentences)
+        if token_arrays:
+            self.handles["tokens"].write(np.concatenate(token_arrays).tobytes())
+            self.handles["word_starts"].write(np.concatenate(start_arrays).tobytes())
+            self.handles["sentence_offsets"].write(np.asarray(sentence_ends, np.int64).tobytes())
+        if document_ends:
+            self.handles["document_offsets"].write(np.asarray(document_ends, np.int64).tobytes())
+            self.n_documents += len(document_ends)
+
+    def finish(self) -> None:
+        """Flush the files to disk before the cache directory is renamed into place."""
+        for handle in self.handles.values():
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def close(self) -> None:
+        """Close the files."""
+        for handle in self.handles.values():
+            handle.close()
+
+
+def _is_cjk(char: str) -> bool:
+    """Whether `char` is a CJK ideograph (the ranges BERT's tokenizer splits one per token)."""
+    code = ord(char)
+    return (
+        0x4E00 <= code <= 0x9FFF
+        or 0x3400 <= code <= 0x4DBF
+        or 0x20000 <= code <= 0x2A6DF
+        or 0x2A700 <= code <= 0x2B73F
+        or 0x2B740 <= code <= 0x2B81F
+        or 0x2B820 <= code <= 0x2CEAF
+        or 0xF900 <= code <= 0xFAFF
+        or 0x2F800 <= code <= 0x2FA1F
+    )
+
+
+def _chinese_word_starts(
+    segmenter: ModuleType, text: str, offsets: list[tuple[int, int]], starts: np.ndarray
+) -> np.ndarray:
+    """Word starts where each Chinese character starts a word only at a jieba word's start."""
+    # WordPiece makes every ideograph a word of its own; jieba's segmentation joins them
+    # back into words (BERT-wwm), while other tokens keep the '##' rule.
+    jieba_starts = {start for _, start, _ in segmenter.tokenize(text)}
+    starts = starts.copy()
+    for k, (begin, _) in enumerate(offsets):
+        if begin < len(text) and _is_cjk(text[begin]):
+            starts[k] = begin in jieba_starts
+    return starts
+
+
+# ---- examples ------------------------------------------------------------------------------
+
+
+@dataclass
+class Example:
+    """One pretraining input: [CLS] A [SEP] B [SEP], or [CLS] A [SEP] for 'mlm'."""
+
+    input_ids: np.ndarray  # int32 (seq,)
+    token_type_ids: np.ndarray  # int8 (seq,): 0 for [CLS] A [SEP], 1 for B [SEP]
+    word_starts: np.ndarray  # bool (seq,): specials and each segment's first token count as starts
+    label: int  # NSP: 0 IsNext, 1 NotNext; SOP: 0 in order, 1 swapped; -1 for 'mlm'
+
+
+# A segment under construction: token ids and word-start flags, concatenated sentences.
+_Segment = tuple[np.ndarray, np.ndarray]
+
+
+class ExampleBuilder:
+    """Turns a tokenized corpus into pretraining examples, one reproducible pass per epoch."""
+
+    def __init__(
+        self,
+        corpus: TokenizedCorpus | CorpusView,
+        cls_id: int,
+        sep_id: int,
+        max_seq_len: int = 128,
+        objective: str = "mlm+nsp",
+        short_seq_prob: float = 0.1,
+        seed: int = 0,
+    ) -> None:
+        """Build examples of at most `max_seq_len` tokens for `objective` (see OBJECTIVES)."""
+        if objective not in OBJECTIVES:
+            raise AttnlabError(
+                f"unknown pretraining objective {objective!r}: choose one of {', '.join(OBJECTIVES)}"
+            )
+        minimum = 3 if objective == "mlm" else 5  # room for the specials and 1 token a segment
+        if not isinstance(max_seq_len, int) or max_seq_len < minimum:
+            raise AttnlabError(
+                f"max_seq_len must be an integer >= {minimum} for {objective}, got {max_seq_len!r}"
+            )
+        if not 0.0 <= short_seq_prob <= 1.0:
+            raise AttnlabError(f"short_seq_prob must lie in [0, 1], got {short_seq_prob}")
+        if corpus.n_documents == 0:
+            raise AttnlabError(f"corpus {corpus!r} has no documents")
+        if objective == "mlm+nsp" and corpus.n_documents < 2:
+            raise AttnlabError(
+                f"corpus {corpus!r} has a single document: next-sentence prediction needs "
+                "at least two (use --objective mlm)"
+            )
+        self.corpus = corpus
+        self._base = corpus.corpus if isinstance(corpus, CorpusView) else corpus
+        self.cls_id, self.sep_id = cls_id, sep_id
+        self.max_seq_len = max_seq_len
+        self.objective = objective
+        self.short_seq_prob = short_seq_prob
+        self.seed = seed
+
+    def epoch(self, epoch: int) -> Iterator[Example]:
+        """Yield one epoch's examples, the same for the same (seed, epoch)."""
+        # A generator per (seed, epoch) rather than one carried across epochs: resuming at
+        # epoch k needs no replay of epochs 0..k-1.
+        rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+        for document in rng.permutation(self.corpus.n_documents):
+            if self.objective == "mlm":
+                yield from self._packed_examples(int(document))
+            else:
+                yield from self._pair_examples(int(document), rng)
+
+    def count_epoch(self, epoch: int) -> int:
+        """Number of examples `epoch(epoch)` yields (a full pass over the corpus)."""
+        return sum(1 for _ in self.epoch(epoch))
+
+    # ---- RoBERTa: full sentences, no sentence-level task -------------------------------------
+
+    def _packed_examples(self, document: int) -> Iterator[Example]:
+        """Pack whole sentences of one document into [CLS] text [SEP] up to max_seq_len."""
+        # RoBERTa's DOC-SENTENCES: packing stops at the document's end; a sentence longer
+        # than the budget is cut into budget-sized pieces that pack like sentences.
+        budget = self.max_seq_len - 2
+        pieces: list[tuple[int, int]] = []
+        for sentence in self.corpus.sentence_ids(document):
+            start, end = self._span(sentence)
+            pieces.extend((s, min(s + budget, end)) for s in range(start, end, budget))
+        current: list[tuple[int, int]] = []
+        length = 0
+        for start, end in pieces:
+            if current and length + (end - start) > budget:
+                yield self._example(self._concat(current), None, NO_LABEL)
+                current, length = [], 0
+            current.append((start, end))
+            length += end - start
+        if current:
+            yield self._example(self._concat(current), None, NO_LABEL)
+
+    # ---- BERT (NSP) and ALBERT (SOP): segment pairs ------------------------------------------
+
+    def _pair_examples(self, document: int, rng: np.random.Generator) -> Iterator[Example]:
+        """google-research/bert's create_instances_from_document, with SOP as ALBERT has it."""
+        sentences = [self._span(s) for s in self.corpus.sentence_ids(document)]
+        max_tokens = self.max_seq_len - 3  # room for [CLS], [SEP], [SEP]
+        # Mostly full-length sequences; sometimes shorter ones, so that pretraining also
+        # sees the short inputs of fine-tuning.
+        target = max_tokens
+        if rng.random() < self.short_seq_prob:
+            target = int(rng.integers(2, max_tokens + 1))
+
+        chunk: list[tuple[int, int]] = []
+        length = 0
+        i = 0
+        while i < len(sentences):
+            chunk.append(sentences[i])
+            length += sentences[i][1] - sentences[i][0]
+            if i == len(sentences) - 1 or length >= target:
+                a_end = 1 if len(chunk) < 2 else int(rng.integers(1, len(chunk)))
+                if self.objective == "mlm+nsp":
+                    a, b, label, unused = self._nsp_pair(document, chunk, a_end, target, rng)
+                    i -= unused  # google puts the sentences of a NotNext B's place back
+                else:
+                    pair = self._sop_pair(chunk, a_end, rng)
+                    a, b, label = pair if pair is not None else (None, None, NO_LABEL)
+                if a is not None:
+                    a, b = _truncate_pair(a, b, max_tokens, rng)
+                    yield self._example(a, b, label)
+                chunk, length = [], 0
+            i += 1
+
+    def _nsp_pair(
+        self,
+        document: int,
+        chunk: list[tuple[int, int]],
+        a_end: int,
+        target: int,
+        rng: np.random.Generator,
+    ) -> tuple[_Segment, _Segment, int, int]:
+        """A and B for NSP, the label, and how many chunk sentences go back unused."""
+        a = self._concat(chunk[:a_end])
+        # A one-sentence chunk has no true B, so google always makes it NotNext.
+        if len(chunk) > 1 and rng.random() >= 0.5:
+            return a, self._concat(chunk[a_end:]), IS_NEXT, 0
+        # Any document but this one; google tries 10 random draws and may still land on
+        # the same document in a small corpus, which would mislabel the pair.
+        other = int(rng.integers(0, self.corpus.n_documents - 1))
+        other += other >= document
+        other_sentences = self.corpus.sentence_ids(other)
+        first = int(rng.integers(0, len(other_sentences)))
+        b_target = target - len(a[0])
+        b_spans, b_length = [], 0
+        for sentence in other_sentences[first:]:
+            span = self._span(sentence)
+            b_spans.append(span)
+            b_length += span[1] - span[0]
+            if b_length >= b_target:
+                break
+        return a, self._concat(b_spans), NOT_NEXT, len(chunk) - a_end
+
+    def _sop_pair(
+        self, chunk: list[tuple[int, int]], a_end: int, rng: np.random.Generator
+    ) -> tuple[_Segment, _Segment, int] | None:
+        """Two consecutive segments of one document, swapped half the time (label 1)."""
+        if len(chunk) > 1:
+            a, b = self._concat(chunk[:a_end]), self._concat(chunk[a_end:])
+        else:
+            # A lone sentence (a one-sentence document, or one longer than the target)
+            # still gives two consecutive segments when cut at a random token.
+            start, end = chunk[0]
+            if end - start < 2:
+                return None
+            cut = int(rng.integers(start + 1, end))
+            a, b = self._concat([(start, cut)]), self._concat([(cut, end)])
+        if rng.random() < 0.5:
+            return b, a, 1
+        return a, b, 0
+
+    # ---- assembly -------------------------------------------------------------------------
+
+    def _span(self, sentence: int) -> tuple[int, int]:
+        """Token range of a sentence in the corpus arrays."""
+        offsets = self._base.sentence_offsets
+        return int(offsets[sentence]), int(offsets[sentence + 1])
+
+    def _concat(self, spans: list[tuple[int, int]]) -> _Segment:
+        """Token ids and word starts of consecutive spans, joined."""
+        tokens, starts = self._base.tokens, self._base.word_starts
+        ids = np.concatenate([tokens[s:e] for s, e in spans])
+        flags = np.concatenate([starts[s:e] for s, e in spans]).astype(bool)
+        return ids, flags
+
+    def _example(self, a: _Segment, b: _Segment | None, label: int) -> Example:
+        """[CLS] A [SEP] (B [SEP]) with segment ids and word starts."""
+        cls = np.array([self.cls_id], dtype=np.int32)
+        sep = np.array([self.sep_id], dtype=np.int32)
+        true = np.ones(1, dtype=bool)
+        a_starts = a[1].copy()
+        # A segment cut mid-word (truncation, a split sentence) begins a word of its own.
+        a_starts[0] = True
+        ids = [cls, a[0].astype(np.int32), sep]
+        starts = [true, a_starts, true]
+        types = [np.zeros(len(a[0]) + 2, dtype=np.int8)]
+        if b is not None:
+            b_starts = b[1].copy()
+            b_starts[0] = True
+            ids += [b[0].astype(np.int32), sep]
+            starts += [b_starts, true]
+            types.append(np.ones(len(b[0]) + 1, dtype=np.int8))
+        return Example(
+            input_ids=np.concatenate(ids),
+            token_type_ids=np.concatenate(types),
+            word_starts=np.concatenate(starts),
+            label=label,
+        )
+
+
+def _truncate_pair(
+    a: _Segment, b: _Segment, max_tokens: int, rng: np.random.Generator
+) -> tuple[_Segment, _Segment]:
+    """google-research/bert's truncate_seq_pair in closed form: trim to max_tokens in all."""
+    # google removes one token at a time from the longer segment (B on a tie), each from
+    # the front or the back with probability 1/2. The lengths that loop ends with are
+    # computed directly, and the front cuts of each side drawn as one binomial, which is
+    # the same distribution without a loop as long as a very long sentence.
+    la, lb = len(a[0]), len(b[0])
+    if la + lb <= max_tokens:
+        return a, b
+    short = min(la, lb)
+    if max_tokens - short >= short:  # only the longer side is cut
+        new_a, new_b = (max_tokens - lb, lb) if la > lb else (la, max_tokens - la)
+    else:  # both are cut, ending within one token of each other (A the longer)
+        new_a, new_b = (max_tokens + 1) // 2, max_tokens // 2
+    return _trim(a, la - new_a, rng), _trim(b, lb - new_b, rng)
+
+
+def _trim(segment: _Segment, remove: int, rng: np.random.Generator) -> _Segment:
+    """Remove `remove` tokens, each from the front or the back with probability 1/2."""
+    if remove == 0:
+        return segment
+    front = int(rng.binomial(remove, 0.5))
+    end = len(segment[0]) - (remove - front)
+    return segment[0][front:end], segment[1][front:end]

@@ -1,0 +1,175 @@
+"""Atomic training checkpoints: ``checkpoints/step-<N>/`` holds everything a resume needs.
+
+Layout of one checkpoint::
+
+    model.safetensors   model weights (tied tensors stored once, re-tied on load)
+    trainer.pt          optimiser, schedule, data position, RNG states, step, config
+    COMPLETE            written last
+
+A checkpoint is written into a hidden ``.step-<N>.<id>.tmp`` directory and renamed into
+place, so a kill at any moment leaves either the whole checkpoint or none of it; a
+directory without COMPLETE (a copy cut short) is never resumed from. ``trainer.pt`` holds
+only tensors and primitive containers, so it loads with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from attnlab.errors import AttnlabError
+
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "trainer.pt"
+COMPLETE_MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def capture_rng(device: torch.device) -> dict[str, Any]:
+    """This process's RNG states (python, numpy, torch CPU, and CUDA when on a GPU) as tensors."""
+    version, internal, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": {"version": version, "internal": torch.tensor(internal), "gauss": gauss},
+        "numpy": {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: dict[str, Any], device: torch.device) -> None:
+    """Put back RNG states captured by capture_rng."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss"]))
+    np_state = state["numpy"]
+    np.random.set_state(
+        (
+            "MT19937",
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint under root, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.fullmatch(path.name)
+        if match and (path / COMPLETE_MARKER).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint under root, or None."""
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def _fsync(path: Path) -> None:
+    # Flush to disk before the rename publishes the directory: after a power cut a renamed
+    # checkpoint must not hold empty files.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _discard(path: Path) -> None:
+    # Rename first (atomic), then delete: a kill mid-delete leaves a hidden .old directory,
+    # never a half-deleted step-<N> that looks resumable.
+    trash = path.with_name(f".{path.name}.{uuid.uuid4().hex}.old")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def save_checkpoint(root: Path, step: int, model: nn.Module, state: dict[str, Any]) -> Path:
+    """Write model and trainer state as root/step-<step>, atomically; returns its path."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step}"
+    tmp = root / f".step-{step}.{uuid.uuid4().hex}.tmp"
+    tmp.mkdir()
+    try:
+        # save_model (not save_file) drops the duplicate names of tied tensors, e.g. BERT's
+        # MLM decoder sharing the word embeddings, and load_model re-ties them.
+        save_model(model, str(tmp / MODEL_FILE))
+        # safetensors creates the file 0600; give it the umask's mode, as the directory has.
+        os.chmod(tmp / MODEL_FILE, tmp.stat().st_mode & 0o666)
+        torch.save(state, tmp / STATE_FILE)
+        (tmp / COMPLETE_MARKER).write_text(f"step {step}\n")
+        for name in (MODEL_FILE, STATE_FILE, COMPLETE_MARKER):
+            _fsync(tmp / name)
+        if final.exists():  # left by an attempt abandoned before it was complete
+            _discard(final)
+        os.replace(tmp, final)
+        _fsync(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def prune_checkpoints(root: Path, keep_last: int) -> None:
+    """Delete all but the keep_last newest complete checkpoints (keep_last 0 keeps all)."""
+    if keep_last > 0:
+        for _, path in complete_checkpoints(root)[:-keep_last]:
+            _discard(path)
+
+
+def remove_partial(root: Path) -> None:
+    """Delete hidden temp and trash directories that a killed run left under root."""
+    if root.is_dir():
+        for path in root.iterdir():
+            if path.name.startswith(".step-") and path.name.endswith((".tmp", ".old")):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def read_checkpoint(path: Path, model: nn.Module) -> dict[str, Any]:
+    """Load the weights of checkpoint path into model and return its trainer state."""
+    try:
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or "step" not in state:
+            raise ValueError(f"{STATE_FILE} holds no trainer state")
+        load_model(model, str(path / MODEL_FILE), strict=True, device=str(_device_of(model)))
+    except Exception as exc:
+        raise AttnlabError(
+            f"checkpoint {path} is unreadable ({_first_line(exc)}): delete it to resume "
+            "from the one before"
+        ) from exc
+    return state
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")

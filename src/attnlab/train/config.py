@@ -1,0 +1,88 @@
+"""TrainConfig: every choice of a training run, with the papers' defaults, and seeding."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from attnlab.errors import AttnlabError
+from attnlab.train.optim import OPTIMIZER_DEFAULTS, SCHEDULES
+
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass
+class TrainConfig:
+    """How to train: length, optimiser and schedule, precision, logging, checkpoints, resume.
+
+    ``weight_decay``, ``betas`` and ``eps`` left as None take the optimiser's paper values
+    (AdamW: 0.01, (0.9, 0.999), 1e-6 as in BERT; Adam: 0, (0.9, 0.98), 1e-9 as in the
+    Transformer). ``eval_every`` / ``save_every`` of 0 mean only at the end; ``keep_last``
+    of 0 keeps every checkpoint.
+    """
+
+    out_dir: Path
+    steps: int
+    lr: float = 1e-4
+    warmup: int = 0
+    schedule: str = "linear"
+    optimizer: str = "adamw"
+    weight_decay: float | None = None
+    betas: tuple[float, float] | None = None
+    eps: float | None = None
+    grad_accum: int = 1
+    clip_norm: float | None = 1.0
+    precision: str = "fp32"
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 0
+    save_every: int = 1000
+    keep_last: int = 3
+    resume: bool = False
+    overwrite: bool = False
+    progress: bool = True
+    device: str = "auto"
+    find_unused_parameters: bool = False  # DDP: set when some parameters get no gradient
+
+    def __post_init__(self) -> None:
+        self.out_dir = Path(self.out_dir)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise AttnlabError for an out-of-range or contradictory field."""
+        for name, low in (("steps", 1), ("grad_accum", 1), ("log_every", 1)):
+            if getattr(self, name) < low:
+                raise AttnlabError(f"train: {name} must be >= {low}, got {getattr(self, name)}")
+        for name in ("warmup", "eval_every", "save_every", "keep_last"):
+            if getattr(self, name) < 0:
+                raise AttnlabError(f"train: {name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise AttnlabError(f"train: lr must be > 0, got {self.lr}")
+        choices = {"schedule": SCHEDULES, "optimizer": tuple(OPTIMIZER_DEFAULTS)}
+        choices["precision"] = PRECISIONS
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise AttnlabError(
+                    f"train: {name} must be one of {list(allowed)}, got {getattr(self, name)!r}"
+                )
+        if self.schedule == "inverse_sqrt" and self.warmup < 1:
+            raise AttnlabError("train: the inverse_sqrt schedule needs warmup >= 1")
+        if self.resume and self.overwrite:
+            raise AttnlabError("train: pass resume or overwrite, not both")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as primitives (for trainer.pt and logs)."""
+        return {**dataclasses.asdict(self), "out_dir": str(self.out_dir)}
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's and torch's global RNGs (torch's also seeds every GPU)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

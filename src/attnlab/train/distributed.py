@@ -1,0 +1,68 @@
+"""torch.distributed plumbing for data-parallel training under torchrun.
+
+One process per device; torchrun sets RANK, WORLD_SIZE and LOCAL_RANK (and the rendezvous
+address). Gradients are averaged by DistributedDataParallel; these helpers cover the rest:
+start-up, averaging logged values, gathering per-rank RNG states, barriers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def is_distributed() -> bool:
+    """True when a process group is up."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_distributed() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank): joins the torchrun process group when WORLD_SIZE > 1.
+
+    Backend "nccl" when CUDA is available (each process then owns cuda:LOCAL_RANK), else
+    "gloo". Idempotent; without torchrun's variables it returns (0, 1, 0).
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if is_distributed():
+        return dist.get_rank(), dist.get_world_size(), local_rank
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return 0, 1, 0
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), local_rank
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group, if one is up."""
+    if is_distributed():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op in a single process)."""
+    if is_distributed():
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: Tensor) -> Tensor:
+    """Sum of tensor over ranks (in place; the tensor itself in a single process)."""
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's obj, indexed by rank (a one-element list in a single process)."""
+    if not is_distributed():
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered

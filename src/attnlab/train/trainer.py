@@ -1,0 +1,422 @@
+"""The one training loop of attnlab: pretraining, fine-tuning and translation all run through it.
+
+Per optimiser step: ``grad_accum`` micro-batches (each loss divided by grad_accum, DDP's
+gradient all-reduce only on the last), gradient clipping, optimiser and schedule step.
+Around it: seeding, bf16 autocast, a progress bar, ``metrics.jsonl``, periodic evaluation,
+atomic checkpoints with exact resume, and torch.distributed data parallelism.
+
+Exact resume means a run killed at any moment and resumed ends bit-identical to an
+uninterrupted one (same thread count and device): the checkpoint holds weights, optimiser
+and schedule state, every RNG state, the data position and the partial logging window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from attnlab.errors import AttnlabError
+from attnlab.train.checkpoint import (
+    capture_rng,
+    latest_checkpoint,
+    prune_checkpoints,
+    read_checkpoint,
+    remove_partial,
+    restore_rng,
+    save_checkpoint,
+)
+from attnlab.train.config import TrainConfig, seed_everything
+from attnlab.train.data import Batch, BatchSource, count_tokens
+from attnlab.train.distributed import (
+    all_reduce_sum,
+    barrier,
+    gather_objects,
+    init_distributed,
+)
+from attnlab.train.log import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss_curve
+from attnlab.train.optim import build_optimizer, build_scheduler
+
+CHECKPOINT_DIR = "checkpoints"
+Evaluate = Callable[[nn.Module], dict[str, float]]
+
+
+def _resolve_device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)  # one GPU per process under torchrun
+    return device
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    # SIGTERM (a scheduler pre-empting the job, torchrun stopping its workers) would otherwise
+    # end the process with no cleanup; as KeyboardInterrupt it unwinds like Ctrl-C, so a
+    # checkpoint being written is discarded and the last complete one stays the newest.
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@dataclass
+class _Window:
+    """Sums of the logged values since the last row, per rank and on the device."""
+
+    sums: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    steps: int = 0
+    tokens: int = 0
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def add(self, values: dict[str, Tensor], tokens: int) -> None:
+        """Add one optimiser step's values."""
+        for key, value in values.items():
+            self.sums[key] = self.sums[key] + value if key in self.sums else value
+        self.steps += 1
+        self.tokens += tokens
+
+
+class Trainer:
+    """Trains model on batches as config says; ``fit()`` runs (or resumes) the whole job.
+
+    ``model(**batch)`` must return a dict with a scalar ``"loss"``; its other 0-dim tensors
+    (e.g. ``mlm_loss``, ``nsp_loss``) are logged too. ``evaluate(model)`` is called in eval
+    mode under no_grad on rank 0 and returns named floats; it cannot disturb training (the
+    RNG states are put back afterwards). ``optimizer`` / ``scheduler`` default to those the
+    config names. Under torchrun the model is wrapped in DistributedDataParallel and each
+    rank reads its own shard of batches; only rank 0 writes files or shows progress.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batches: BatchSource,
+        config: TrainConfig,
+        evaluate: Evaluate | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    ) -> None:
+        self.config = config
+        self.rank, self.world_size, local_rank = init_distributed()
+        self.is_main = self.rank == 0
+        self.device = _resolve_device(config.device, local_rank)
+        self.model = model.to(self.device)
+        self.batches = batches
+        self.batches.set_rank(self.rank, self.world_size)
+        self.evaluate = evaluate
+        self.optimizer = optimizer or build_optimizer(
+            self.model, config.lr, config.weight_decay, config.betas, config.eps, config.optimizer
+        )
+        self.scheduler = scheduler or build_scheduler(
+            config.schedule, self.optimizer, config.warmup, config.steps
+        )
+        self.network: nn.Module = self.model  # what the forward pass runs: DDP or the model
+        if self.world_size > 1:
+            self.network = DistributedDataParallel(
+                self.model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                find_unused_parameters=config.find_unused_parameters,
+            )
+        self.step = 0
+        self.tokens_seen = 0
+        self.checkpoint_root = config.out_dir / CHECKPOINT_DIR
+        self.log = MetricsLog(config.out_dir / METRICS_FILE)
+        self._elapsed_before = 0.0  # training seconds of the runs this one resumes
+        self._window = _Window()
+        self._last_lr = 0.0
+        self._started = time.perf_counter()
+        self._session_tokens = 0
+        # What fit() reports: the last train row and eval metrics, the newest checkpoint.
+        self.last_train: dict[str, Any] = {}
+        self.last_eval: dict[str, float] = {}
+        self.last_checkpoint: Path | None = None
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    def fit(self) -> dict[str, Any]:
+        """Train to config.steps (resuming if asked), evaluating, saving and plotting; a summary."""
+        cfg = self.config
+        self._started = time.perf_counter()
+        seed_everything(cfg.seed + self.rank)  # ranks differ in dropout, as their data does
+        self._open_run()
+        start_step, self._session_tokens = self.step, 0
+        self._window.started = time.perf_counter()  # tokens/s counts training time only
+        data = iter(self.batches)
+        bar = tqdm(
+            total=cfg.steps,
+            initial=self.step,
+            desc="train",
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            disable=not (cfg.progress and self.is_main),
+        )
+        try:
+            with _sigterm_as_interrupt():
+                self.model.train()
+                while self.step < cfg.steps:
+                    values, tokens = self._train_step(data)
+                    self.step += 1
+                    self._window.add(values, tokens)
+                    bar.update(1)
+                    self._after_step(bar)
+        finally:
+            bar.close()
+        if self.is_main:
+            plot_loss_curve(self.log.rows, cfg.out_dir / PLOT_FILE)
+        wall = time.perf_counter() - self._started
+        return {
+            "step": self.step,
+            "loss": self.last_train.get("loss"),
+            "eval": self.last_eval,
+            "tokens_per_s": self._session_tokens / wall if self.step > start_step else 0.0,
+            "wall_s": wall,
+            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+        }
+
+    def _after_step(self, bar: tqdm) -> None:
+        """Log, evaluate and checkpoint where this step is due for them.
+
+        In that order: the checkpoint of step N then follows every row of step N, so a run
+        resumed from it keeps exactly the rows with step <= N.
+        """
+        cfg = self.config
+        final = self.step == cfg.steps
+        if final or self.step % cfg.log_every == 0:
+            row = self._log_window()
+            bar.set_postfix(
+                loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}"
+            )
+        if self.evaluate is not None and (final or _due(self.step, cfg.eval_every)):
+            self._run_evaluation()
+        if final or _due(self.step, cfg.save_every):
+            self._save()
+
+    def _train_step(self, data: Iterator[Batch]) -> tuple[dict[str, Tensor], int]:
+        """One optimiser step over grad_accum micro-batches: (mean values, tokens read)."""
+        cfg = self.config
+        values: dict[str, Tensor] = {}
+        tokens = 0
+        for micro in range(cfg.grad_accum):
+            batch = next(data)
+            tokens += self._tokens_in(batch)
+            batch = {
+                k: v.to(self.device, non_blocking=True) if isinstance(v, Tensor) else v
+                for k, v in batch.items()
+            }
+            # DDP all-reduces gradients during backward; only the last micro-batch needs it.
+            sync = micro == cfg.grad_accum - 1 or self.world_size == 1
+            with contextlib.nullcontext() if sync else self.network.no_sync():
+                with self._autocast():
+                    out = self.network(**batch)
+                loss = _loss_of(out)
+                (loss / cfg.grad_accum).backward()
+            for key, value in _scalars(out).items():
+                value = value.detach().float() / cfg.grad_accum
+                values[key] = values[key] + value if key in values else value
+        max_norm = cfg.clip_norm if cfg.clip_norm else math.inf
+        values["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self._last_lr = self.optimizer.param_groups[0]["lr"]  # the lr this step used
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return values, tokens
+
+    def _tokens_in(self, batch: Batch) -> int:
+        counter = getattr(self.batches, "tokens_in", None)
+        return int(counter(batch)) if counter is not None else count_tokens(batch)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.config.precision == "bf16"
+        )
+
+    # ---- logging and evaluation ------------------------------------------------------
+
+    def _log_window(self) -> dict[str, Any]:
+        """Average the window over steps and ranks, append it to metrics.jsonl, start a new one."""
+        window = self._window
+        keys = sorted(window.sums)
+        # One all-reduce for every value, and .item() only here: no per-step host sync.
+        totals = torch.stack([window.sums[k].double() for k in keys])
+        tokens = torch.tensor([window.tokens], dtype=torch.int64, device=self.device)
+        totals, tokens = all_reduce_sum(totals), all_reduce_sum(tokens)
+        averages = dict(
+            zip(keys, (totals / (window.steps * self.world_size)).tolist(), strict=True)
+        )
+        window_tokens = int(tokens.item())
+        self.tokens_seen += window_tokens
+        seconds = max(time.perf_counter() - window.started, 1e-9)
+        row: dict[str, Any] = {
+            "step": self.step,
+            "loss": averages.pop("loss"),
+            "lr": self._last_lr,
+            **averages,
+            "tokens": self.tokens_seen,
+            "tokens_per_s": round(window_tokens / seconds, 1),
+            "elapsed_s": round(self._elapsed(), 3),
+        }
+        if self.is_main:
+            self.log.append(row)
+        self._window = _Window()
+        self._session_tokens += window_tokens
+        self.last_train = {k: v for k, v in row.items() if k != "step"}
+        return row
+
+    def _run_evaluation(self) -> None:
+        """evaluate(model) on rank 0, logged as an eval row; RNG states are left as they were."""
+        metrics: dict[str, float] = {}
+        if self.is_main:
+            rng = capture_rng(self.device)
+            self.model.eval()
+            try:
+                with torch.no_grad(), self._autocast():
+                    metrics = {k: float(v) for k, v in self.evaluate(self.model).items()}
+            finally:
+                self.model.train()
+                restore_rng(rng, self.device)
+            self.log.append({"step": self.step, "eval": True, **metrics})
+            self.last_eval = metrics
+        barrier()
+
+    def _last_row(self, eval_rows: bool) -> dict[str, Any]:
+        for row in reversed(self.log.rows):
+            if bool(row.get("eval")) == eval_rows:
+                return {k: v for k, v in row.items() if k not in ("step", "eval")}
+        return {}
+
+    def _elapsed(self) -> float:
+        return self._elapsed_before + time.perf_counter() - self._started
+
+    # ---- checkpoints and resume ------------------------------------------------------
+
+    def _open_run(self) -> None:
+        """Check out_dir, then resume from its newest checkpoint or start afresh (overwrite)."""
+        cfg = self.config
+        out = cfg.out_dir
+        if out.exists() and not out.is_dir():
+            raise AttnlabError(f"output {out} exists and is not a directory")
+        root = self.checkpoint_root
+        holds_run = (out / METRICS_FILE).exists() or (root.is_dir() and any(root.iterdir()))
+        if holds_run and not (cfg.resume or cfg.overwrite):
+            raise AttnlabError(
+                f"{out} holds a run: pass --resume to continue or --overwrite to start over"
+            )
+        # Every rank reads the checkpoint (a shared filesystem is assumed) before any rank
+        # writes: a bad checkpoint stops all of them with nothing changed.
+        latest = latest_checkpoint(root) if cfg.resume else None
+        if latest is not None:
+            self._restore(latest)
+        barrier()
+        if self.is_main:
+            if cfg.overwrite:
+                shutil.rmtree(root, ignore_errors=True)
+                for name in (METRICS_FILE, PLOT_FILE):
+                    (out / name).unlink(missing_ok=True)
+                self.log = MetricsLog(out / METRICS_FILE)
+            remove_partial(root)
+            # Rows past the checkpoint are redone by this run: drop them so the file ends up
+            # as an uninterrupted run's.
+            self.log.truncate_after(self.step)
+            out.mkdir(parents=True, exist_ok=True)
+            self.last_train, self.last_eval = self._last_row(False), self._last_row(True)
+        barrier()
+
+    def _restore(self, path: Path) -> None:
+        state = read_checkpoint(path, self.model)
+        try:
+            if state["step"] > self.config.steps:
+                raise ValueError(f"it is at step {state['step']}, past steps={self.config.steps}")
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            # Per-rank parts by rank; a different world size reuses them round-robin (the
+            # resumed run is then no longer bit-identical, but it continues).
+            data, rng = state["data"], state["rng"]
+            self.batches.load_state_dict(data[self.rank % len(data)])
+            restore_rng(rng[self.rank % len(rng)], self.device)
+            window = state["window"]
+            # The window's global sums go to rank 0 only, so the next all-reduce adds them once.
+            keep = self.is_main
+            self._window.sums = {
+                k: (v if keep else torch.zeros_like(v)).to(self.device)
+                for k, v in window["sums"].items()
+            }
+            self._window.steps = window["steps"]
+            self._window.tokens = window["tokens"] if keep else 0
+            self.step = state["step"]
+            self.tokens_seen = state["tokens_seen"]
+            self._elapsed_before = state["elapsed_s"]
+            self.last_checkpoint = path
+        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+            raise AttnlabError(f"checkpoint {path} does not fit this run ({exc})") from exc
+
+    def _save(self) -> None:
+        """Checkpoint the run as out_dir/checkpoints/step-<step> (rank 0 writes; all ranks wait)."""
+        rng = gather_objects(capture_rng(self.device))
+        data = gather_objects(self.batches.state_dict())
+        window = self._window
+        sums = {k: all_reduce_sum(v.clone()).cpu() for k, v in sorted(window.sums.items())}
+        tokens = all_reduce_sum(torch.tensor([window.tokens], device=self.device)).item()
+        if self.is_main:
+            state = {
+                "step": self.step,
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "data": data,
+                "rng": rng,
+                "window": {"sums": sums, "steps": window.steps, "tokens": int(tokens)},
+                "tokens_seen": self.tokens_seen,
+                "elapsed_s": self._elapsed(),
+                "world_size": self.world_size,
+                "config": self.config.to_dict(),
+            }
+            self.last_checkpoint = save_checkpoint(
+                self.checkpoint_root, self.step, self.model, state
+            )
+            prune_checkpoints(self.checkpoint_root, self.config.keep_last)
+        barrier()
+
+
+def _due(step: int, every: int) -> bool:
+    """Whether a periodic action (every 0 = never) falls on step."""
+    return every > 0 and step % every == 0
+
+
+def _loss_of(out: Any) -> Tensor:
+    if not isinstance(out, dict) or not isinstance(out.get("loss"), Tensor):
+        raise AttnlabError("model(**batch) must return a dict with a scalar tensor 'loss'")
+    loss = out["loss"]
+    if loss.ndim != 0:
+        raise AttnlabError(
+            f"model(**batch)['loss'] must be a scalar, got shape {tuple(loss.shape)}"
+        )
+    return loss
+
+
+def _scalars(out: dict[str, Any]) -> dict[str, Tensor]:
+    """The model's 0-dim tensor outputs: the loss and any metrics it reports."""
+    return {k: v for k, v in out.items() if isinstance(v, Tensor) and v.ndim == 0}

@@ -1,0 +1,160 @@
+"""A tiny training job for the trainer tests, run in-process or as a (torchrun) subprocess.
+
+Subprocess-only options kill the process with SIGKILL at chosen moments, to prove that a
+resumed run loses nothing: ``--kill-at-batch K`` as this process reads its K-th batch (in
+the middle of an optimiser step), ``--kill-in-save N`` once the checkpoint of step N has
+written trainer.pt into its temp directory but before that directory is renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.train import TensorBatches, TrainConfig, Trainer, seed_everything
+from attnlab.train.distributed import shutdown_distributed
+
+VOCAB, SEQ = 16, 8
+
+
+class TinyClassifier(nn.Module):
+    """Mean-pooled token embeddings -> LayerNorm -> dropout -> MLP -> 2 classes."""
+
+    def __init__(self, d_model: int = 16, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d_model)
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.hidden = nn.Linear(d_model, d_model)
+        self.out = nn.Linear(d_model, 2)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> dict:
+        """input_ids, attention_mask (batch, seq), labels (batch,) -> loss and accuracy."""
+        mask = attention_mask.unsqueeze(-1).float()
+        pooled = (self.embed(input_ids) * mask).sum(1) / mask.sum(1)  # (batch, d_model)
+        h = self.dropout(F.gelu(self.hidden(self.norm(pooled))))
+        self.seen_dtype = h.dtype  # lets a test see that autocast was on
+        logits = self.out(h)
+        loss = F.cross_entropy(logits.float(), labels)
+        accuracy = (logits.argmax(-1) == labels).float().mean()
+        return {"loss": loss, "accuracy": accuracy, "logits": logits}
+
+
+def make_data(n: int = 64, seed: int = 0) -> dict[str, Tensor]:
+    """Random sequences with padding; label 1 when most real tokens are >= VOCAB / 2."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+    lengths = torch.randint(SEQ // 2, SEQ + 1, (n,), generator=g)
+    attention_mask = (torch.arange(SEQ) < lengths.unsqueeze(1)).long()
+    input_ids = input_ids * attention_mask
+    high = ((input_ids >= VOCAB // 2) & attention_mask.bool()).sum(1)
+    labels = (2 * high > lengths).long()
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def make_evaluate(data: dict[str, Tensor]):
+    """An evaluate(model) over a fixed set: loss and accuracy."""
+
+    def evaluate(model: nn.Module) -> dict[str, float]:
+        out = model(**data)
+        return {"loss": out["loss"].item(), "accuracy": out["accuracy"].item()}
+
+    return evaluate
+
+
+class KillingBatches(TensorBatches):
+    """TensorBatches that SIGKILLs its process when handing out its kill_at-th batch."""
+
+    def __init__(self, *args, kill_at: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kill_at = kill_at
+
+    def __iter__(self) -> Iterator[dict]:
+        for count, batch in enumerate(super().__iter__(), start=1):
+            if count == self.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield batch
+
+
+def kill_in_save(step: int) -> None:
+    """SIGKILL right after trainer.pt of step's checkpoint is written to its temp directory."""
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        path = Path(f)
+        if path.name == "trainer.pt" and path.parent.name.startswith(f".step-{step}."):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.save = save
+
+
+def train(
+    out: Path,
+    steps: int = 12,
+    batch_size: int = 8,
+    grad_accum: int = 1,
+    dropout: float = 0.1,
+    kill_at_batch: int | None = None,
+    **config: object,
+) -> tuple[Trainer, dict]:
+    """Build the tiny job and fit it; config overrides TrainConfig fields."""
+    seed_everything(0)
+    model = TinyClassifier(dropout=dropout)
+    batches = KillingBatches(make_data(), batch_size, seed=1, kill_at=kill_at_batch)
+    settings: dict = {
+        "lr": 1e-2,
+        "warmup": 2,
+        "log_every": 1,
+        "eval_every": 3,
+        "save_every": 4,
+        "keep_last": 2,
+        "progress": False,
+        "device": "cpu",
+    }
+    settings.update(config)
+    train_config = TrainConfig(out_dir=out, steps=steps, grad_accum=grad_accum, **settings)
+    trainer = Trainer(model, batches, train_config, evaluate=make_evaluate(make_data(32, seed=2)))
+    return trainer, trainer.fit()
+
+
+def main() -> None:
+    """Parse options and train."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--kill-at-batch", type=int)
+    parser.add_argument("--kill-in-save", type=int)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)  # bit-identical results need the same reduction order
+    if args.kill_in_save is not None:
+        kill_in_save(args.kill_in_save)
+    trainer, summary = train(
+        args.out,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        dropout=args.dropout,
+        kill_at_batch=args.kill_at_batch,
+        resume=args.resume,
+    )
+    if trainer.is_main:
+        print(json.dumps(summary))
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""`attnlab pretrain` end to end: outputs, resume after SIGKILL, two processes, config files, errors."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SHARED_DATA
+from safetensors.torch import load_file
+
+from attnlab.cli import main
+
+RUNNER = Path(__file__).parent / "_pretrain_run.py"
+TINY = ["--preset", "bert-tiny", "--batch-size", "8", "--seq-len", "32", "--vocab-size", "400"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """~300 real multi-sentence Chinese review documents plus English play lines."""
+    folder = tmp_path_factory.mktemp("corpus")
+    with gzip.open(SHARED_DATA / "zh-corpus/reviews.txt.gz", "rt", encoding="utf-8") as f:
+        zh = list(itertools.islice(f, 900))
+    with gzip.open(SHARED_DATA / "tinyshakespeare/input.txt.gz", "rt", encoding="utf-8") as f:
+        en = list(itertools.islice(f, 600))
+    path = folder / "mixed.txt"
+    path.write_text("".join(zh) + "\n" + "".join(en), encoding="utf-8")
+    return path
+
+
+def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, str(RUNNER), *args], capture_output=True, text=True, env=full_env
+    )
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "model.safetensors"))
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_pretrain_writes_an_hf_checkpoint_and_learns(corpus, tmp_path, capsys):
+    from transformers import BertForPreTraining as HFPreTraining
+
+    out = tmp_path / "run"
+    args = ["pretrain", "--corpus", str(corpus), "--out", str(out), *TINY, "--steps", "40"]
+    args += ["--lr", "1e-3", "--warmup", "4", "--save-every", "10", "--keep-last", "2"]
+    args += ["--eval-every", "20", "--log-every", "5", "--cache-dir", str(tmp_path / "cache")]
+    assert main(args) == 0
+    for name in ("config.json", "model.safetensors", "vocab.txt", "metrics.jsonl", "loss.png"):
+        assert (out / name).is_file(), name
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-30", "step-40"]
+    rows = _rows(out)
+    train_rows = [r for r in rows if not r.get("eval")]
+    assert [r["step"] for r in train_rows] == list(range(5, 41, 5))
+    for row in train_rows:
+        assert {"step", "loss", "lr", "tokens_per_s", "mlm_loss", "nsp_loss"} <= set(row)
+    assert train_rows[-1]["mlm_loss"] < train_rows[0]["mlm_loss"] - 0.3  # it learns
+    evals = [r for r in rows if r.get("eval")]
+    assert [r["step"] for r in evals] == [20, 40]
+    assert 0 <= evals[-1]["eval_mlm_accuracy"] <= 1 and "eval_nsp_accuracy" in evals[-1]
+    # HF transformers loads the result with nothing missing or unexpected
+    _, info = HFPreTraining.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    capsys.readouterr()
+    assert main(["fill-mask", "--model", str(out), "--json", "今天天气很[MASK]。[MASK]"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["masks"]) == 2
+    for options in result["masks"]:
+        probs = [p for _, p in options]
+        assert len(options) == 5 and probs == sorted(probs, reverse=True) and sum(probs) <= 1.0
+
+
+@pytest.fixture(scope="module")
+def vocab(corpus, tmp_path_factory) -> Path:
+    """One WordPiece vocabulary for runs that must match bit for bit.
+
+    HF tokenizers' trainer breaks frequency ties in hash-map order, which changes from process
+    to process, so two runs that each train a vocabulary can differ; a resumed run reuses the
+    vocabulary its first part saved.
+    """
+    out = tmp_path_factory.mktemp("vocab") / "tok"
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                "--corpus",
+                str(corpus),
+                "--vocab-size",
+                "400",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    return out
+
+
+def test_resume_after_sigkill_is_bit_identical(corpus, vocab, tmp_path):
+    """Two kills (one mid-step, one inside a checkpoint write) change nothing."""
+    base = [*TINY, "--corpus", str(corpus), "--steps", "12", "--save-every", "3"]
+    base += ["--tokenizer", str(vocab)]
+    base += ["--log-every", "1", "--cache-dir", str(tmp_path / "cache"), "--eval-every", "6"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    done = _run(["pretrain", *base, "--out", str(straight)])
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    first = _run(["pretrain", *base, "--out", str(killed)], {"ATTNLAB_KILL_AT_BATCH": "5"})
+    assert first.returncode == -9  # SIGKILL during step 5 (checkpoint of step 3 exists)
+    second = _run(
+        ["pretrain", *base, "--out", str(killed), "--resume"], {"ATTNLAB_KILL_IN_SAVE": "9"}
+    )
+    assert second.returncode == -9  # SIGKILL while writing the checkpoint of step 9
+    assert not (killed / "checkpoints" / "step-9").exists()
+    third = _run(["pretrain", *base, "--out", str(killed), "--resume"])
+    assert third.returncode == 0, third.stderr[-2000:]
+
+    a, b = _weights(straight), _weights(killed)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    strip = ("tokens_per_s", "elapsed_s")
+    clean = [
+        [{k: v for k, v in r.items() if k not in strip} for r in _rows(d)]
+        for d in (straight, killed)
+    ]
+    assert clean[0] == clean[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one(corpus, vocab, tmp_path):
+    """torchrun with 2 CPU processes (gloo) = one process with the same global batch."""
+    base = [*TINY, "--corpus", str(corpus), "--steps", "4", "--save-every", "0", "--dropout", "0"]
+    base += ["--tokenizer", str(vocab)]
+    base += ["--cache-dir", str(tmp_path / "cache"), "--lr", "1e-3", "--warmup", "1"]
+    one = _run(["pretrain", *base, "--out", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-2000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "attnlab"]
+    two = subprocess.run(
+        [*cmd, "pretrain", *base, "--out", str(tmp_path / "two")],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-5), name
+    loss_one = [r["loss"] for r in _rows(tmp_path / "one") if not r.get("eval")]
+    loss_two = [r["loss"] for r in _rows(tmp_path / "two") if not r.get("eval")]
+    assert loss_one == pytest.approx(loss_two, abs=1e-4)
+
+
+def test_options_from_toml_and_yaml_with_flags_winning(corpus, tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        f'preset = "bert-tiny"\ncorpus = ["{corpus}"]\nbatch-size = 4\nseq_len = 24\n'
+        f'steps = 2\nvocab_size = 300\nobjective = "mlm+sop"\nsave_every = 0\n'
+        f'cache_dir = "{tmp_path / "cache"}"\nembedding_size = 32\nshare_layers = true\n'
+    )
+    out = tmp_path / "toml-run"
+    assert main(["pretrain", "--config", str(toml), "--out", str(out), "--steps", "3"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["attnlab"]["embedding_size"] == 32 and config["attnlab"]["share_layers"]
+    assert [r["step"] for r in _rows(out) if not r.get("eval")][-1] == 3  # the flag won
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(
+        f"preset: bert-tiny\ncorpus: {corpus}\nout: {tmp_path / 'yaml-run'}\nsteps: 2\n"
+        f"batch_size: 4\nseq_len: 24\nvocab_size: 300\nobjective: mlm\nsave_every: 0\n"
+        f"cache_dir: {tmp_path / 'cache'}\n"
+    )
+    assert main(["pretrain", "--config", str(yaml)]) == 0
+    config = json.loads((tmp_path / "yaml-run" / "config.json").read_text())
+    assert config["architectures"] == ["BertForMaskedLM"]
+
+
+def test_bench_pretrain_prints_one_json_line(capsys):
+    assert main(["bench", "pretrain", "--preset", "bert-tiny", "--batch-size", "2",
+                 "--seq-len", "16", "--steps", "1"]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokens_per_s"] > 0 and result["preset"] == "bert-tiny"
+
+
+def _error(args: list[str], capsys) -> str:
+    """Exit 2 with one error line (progress bars may come before it) and no traceback."""
+    code = main(args)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("attnlab:")]
+    assert code == 2 and len(errors) == 1 and errors[0].startswith("attnlab: error:"), err
+    assert "Traceback" not in err
+    return errors[0]
+
+
+def test_bad_input_is_one_line_and_writes_nothing(corpus, tmp_path, capsys):
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    out = tmp_path / "o1"
+    assert "no text" in _error(
+        ["pretrain", "--corpus", str(empty), "--out", str(out), *TINY, *cache], capsys
+    )
+
+    single = tmp_path / "single.txt"
+    single.write_text("第一句话。第二句话。第三句话。\n", encoding="utf-8")  # one document
+    message = _error(["pretrain", "--corpus", str(single), "--out", str(tmp_path / "o2"), *TINY,
+                      "--vocab-size", "50", *cache], capsys)  # fmt: skip
+    assert "single document" in message
+
+    small = tmp_path / "small.txt"
+    small.write_text("一句。两句。\n\n三句。四句。\n", encoding="utf-8")
+    message = _error(["pretrain", "--corpus", str(small), "--out", str(tmp_path / "o6"), *TINY,
+                      "--vocab-size", "50", *cache], capsys)  # fmt: skip
+    assert "fewer than --batch-size" in message
+
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes("好的。\n\n".encode() * 3 + b"\xff\xfe broken\n")
+    message = _error(
+        ["pretrain", "--corpus", str(bad), "--out", str(tmp_path / "o3"), *TINY, *cache], capsys
+    )
+    assert "bad.txt" in message and "line 7" in message
+
+    message = _error(["pretrain", "--corpus", str(corpus), "--out", str(tmp_path / "o4"),
+                      "--preset", "bert-tiny", "--seq-len", "600", *cache], capsys)  # fmt: skip
+    assert "max positions" in message
+
+    other = tmp_path / "other-run"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    message = _error(
+        ["pretrain", "--corpus", str(corpus), "--out", str(other), *TINY, *cache], capsys
+    )
+    assert (
+        "--resume" in message
+        and (other / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+    )
+
+    assert "unknown preset" in _error(
+        ["pretrain", "--out", str(tmp_path / "o5"), "--preset", "bert-huge"], capsys
+    )
+    for leftover in ("o1", "o2", "o3", "o4", "o5", "o6"):
+        assert not (tmp_path / leftover).exists() or not any((tmp_path / leftover).iterdir())
+
+
+def test_corrupt_checkpoint_on_resume_is_refused(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["pretrain", "--corpus", str(corpus), "--out", str(out), *TINY, "--steps", "2"]
+    args += ["--save-every", "1", "--cache-dir", str(tmp_path / "cache")]
+    assert main(args) == 0
+    capsys.readouterr()
+    state = out / "checkpoints" / "step-2" / "trainer.pt"
+    state.write_bytes(b"not a checkpoint")
+    before = (out / "model.safetensors").read_bytes()
+    message = _error(
+        [*args[:-2], "--steps", "4", "--resume", "--cache-dir", str(tmp_path / "cache")], capsys
+    )
+    assert "step-2" in message
+    assert (out / "model.safetensors").read_bytes() == before
+    assert state.read_bytes() == b"not a checkpoint"

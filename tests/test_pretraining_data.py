@@ -1,0 +1,464 @@
+"""Corpus reading, the memory-mapped token cache, and NSP / SOP / full-sentence examples."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import os
+import pickle
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from attnlab.errors import AttnlabError
+from attnlab.text import pretraining
+from attnlab.text.pretraining import (
+    Example,
+    ExampleBuilder,
+    TokenizedCorpus,
+    read_documents,
+    split_sentences,
+)
+from attnlab.text.tokenizer import SPECIAL_TOKENS, BertTokenizer, train_wordpiece
+
+torch.set_num_threads(1)
+
+SHARED_DATA = Path("/work/shared/data")
+ZH_REVIEWS = SHARED_DATA / "zh-corpus" / "reviews.txt.gz"
+
+
+# ---- split_sentences and read_documents -----------------------------------------------------
+
+
+def test_split_sentences_chinese() -> None:
+    text = "今天天气很好。我们去公园吧！你来吗？他说：“好的。”然后走了；嗯……再见"
+    assert split_sentences(text) == [
+        "今天天气很好。",
+        "我们去公园吧！",
+        "你来吗？",
+        "他说：“好的。”",  # the closing quote stays with its sentence
+        "然后走了；",
+        "嗯……",
+        "再见",
+    ]
+
+
+def test_split_sentences_english() -> None:
+    text = 'It costs 3.14 dollars. "Really?" she asked (twice.) Yes! Done'
+    assert split_sentences(text) == [
+        "It costs 3.14 dollars.",  # a decimal point does not end a sentence
+        '"Really?"',
+        "she asked (twice.)",
+        "Yes!",
+        "Done",
+    ]
+
+
+def test_split_sentences_never_returns_empty_strings() -> None:
+    for text in ["", "   ", "。。。", "...", " a. ", "!?！？", "\n\t"]:
+        assert all(sentence.strip() for sentence in split_sentences(text))
+    assert split_sentences("。。。") == ["。。。"]
+    assert split_sentences("   ") == []
+
+
+def test_read_documents_blank_line_layout_and_gzip(tmp_path: Path) -> None:
+    text = "第一句。\n第二句。第三句！\n\n \nOther doc one.\nOther doc two.\n\n\n"
+    plain = tmp_path / "docs.txt"
+    plain.write_text(text, encoding="utf-8")
+    packed = tmp_path / "docs.txt.gz"
+    packed.write_bytes(gzip.compress(text.encode("utf-8")))
+    expected = [["第一句。", "第二句。", "第三句！"], ["Other doc one.", "Other doc two."]]
+    assert list(read_documents(plain)) == expected
+    assert list(read_documents(packed)) == expected
+
+
+def test_read_documents_line_per_document_layout(tmp_path: Path) -> None:
+    path = tmp_path / "headlines.txt"
+    # A trailing blank line alone does not switch to the blank-line layout.
+    path.write_text("标题一。副标题！\nSecond headline\r\n\n", encoding="utf-8")
+    assert list(read_documents(path)) == [["标题一。", "副标题！"], ["Second headline"]]
+
+
+def test_read_documents_names_the_bad_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.txt"
+    path.write_bytes(b"fine line\n" + b"broken \xff byte\n")
+    with pytest.raises(AttnlabError, match=r"bad\.txt, line 2: not valid UTF-8"):
+        list(read_documents(path))
+
+
+def test_read_documents_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(AttnlabError, match="not found"):
+        list(read_documents(tmp_path / "absent.txt"))
+
+
+# ---- TokenizedCorpus ------------------------------------------------------------------------
+
+ENGLISH_DOCS = [
+    ["The quick brown fox jumps.", "Unaffable tokenization happens!"],
+    ["A lonely sentence without an end"],
+    ["Hamlet speaks.", "Ophelia answers?", "Polonius hides behind the arras."],
+]
+
+
+def _write_blank_separated(path: Path, documents: list[list[str]]) -> Path:
+    path.write_text("\n\n".join("\n".join(doc) for doc in documents) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def minilm_tokenizer(minilm_dir: Path) -> BertTokenizer:
+    return BertTokenizer.from_dir(minilm_dir)
+
+
+def test_corpus_round_trip_matches_direct_encoding(
+    tmp_path: Path, minilm_tokenizer: BertTokenizer
+) -> None:
+    path = _write_blank_separated(tmp_path / "corpus.txt", ENGLISH_DOCS)
+    corpus = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
+    assert corpus.n_documents == 3 and corpus.n_sentences == 6
+    assert corpus.tokens.dtype == np.int32 and corpus.sentence_offsets.dtype == np.int64
+    total = 0
+    for i, document in enumerate(ENGLISH_DOCS):
+        got = corpus.document(i)
+        assert len(got) == len(document)
+        for sentence_ids, text in zip(got, document, strict=True):
+            tokens = minilm_tokenizer.tokenize(text)
+            assert sentence_ids.tolist() == minilm_tokenizer.convert_tokens_to_ids(tokens)
+            total += len(tokens)
+    assert corpus.n_tokens == total
+    starts = [not token.startswith("##") for token in minilm_tokenizer.tokenize(ENGLISH_DOCS[0][1])]
+    assert corpus.sentence_word_starts(1).astype(bool).tolist() == starts
+    assert not all(starts)  # "unaffable" really has continuations
+
+    reopened = TokenizedCorpus.open(corpus.directory)
+    assert np.array_equal(reopened.tokens, corpus.tokens)
+    unpickled = pickle.loads(pickle.dumps(corpus))
+    assert len(pickle.dumps(corpus)) < 1000  # the directory travels, not the arrays
+    assert np.array_equal(unpickled.document_offsets, corpus.document_offsets)
+
+
+def test_corpus_cache_is_reused_and_invalidated(
+    tmp_path: Path, minilm_tokenizer: BertTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _write_blank_separated(tmp_path / "corpus.txt", ENGLISH_DOCS)
+    calls = Counter()
+    real_encode = pretraining._encode_chunk
+
+    def counting_encode(tokenizer, sentences):
+        calls["encode"] += 1
+        return real_encode(tokenizer, sentences)
+
+    monkeypatch.setattr(pretraining, "_encode_chunk", counting_encode)
+    first = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
+    assert calls["encode"] == 1
+
+    def refuse(tokenizer, sentences):
+        raise AssertionError("the cached corpus should not be tokenized again")
+
+    monkeypatch.setattr(pretraining, "_encode_chunk", refuse)
+    again = TokenizedCorpus.build([str(path)], minilm_tokenizer, tmp_path / "cache")
+    assert again.directory == first.directory
+    assert not list((tmp_path / "cache").glob(".*.tmp"))  # no scratch directory left behind
+
+    monkeypatch.setattr(pretraining, "_encode_chunk", counting_encode)
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write("\nA fourth document appears.\n")
+    changed = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
+    assert calls["encode"] == 2 and changed.directory != first.directory
+    assert changed.n_documents == 4
+
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # same size, touched
+    touched = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
+    assert calls["encode"] == 3 and touched.directory != changed.directory
+
+    cased = BertTokenizer.from_vocab(minilm_tokenizer.vocab, lowercase=False)
+    other = TokenizedCorpus.build([path], cased, tmp_path / "cache")
+    assert calls["encode"] == 4 and other.directory != touched.directory
+
+
+def test_corpus_streams_in_chunks(
+    tmp_path: Path, minilm_tokenizer: BertTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Documents straddle chunk boundaries and empty-token sentences are dropped.
+    monkeypatch.setattr(pretraining, "_CHUNK_SENTENCES", 4)
+    documents = [[f"doc {d} sentence {s}." for s in range(d % 5 + 1)] for d in range(17)]
+    documents[3] = ["\u200b"]  # tokenizes to nothing: the whole document disappears
+    documents[4].insert(0, "\x00")
+    path = _write_blank_separated(tmp_path / "corpus.txt", documents)
+    corpus = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
+    kept = [[s for s in doc if minilm_tokenizer.tokenize(s)] for doc in documents]
+    kept = [doc for doc in kept if doc]
+    assert corpus.n_documents == len(kept) == 16
+    for i, document in enumerate(kept):
+        got = [ids.tolist() for ids in corpus.document(i)]
+        want = [
+            minilm_tokenizer.convert_tokens_to_ids(minilm_tokenizer.tokenize(s)) for s in document
+        ]
+        assert got == want
+
+
+def test_empty_corpus_is_an_error(tmp_path: Path, minilm_tokenizer: BertTokenizer) -> None:
+    path = tmp_path / "empty.txt"
+    path.write_text("\n  \n\n", encoding="utf-8")
+    with pytest.raises(AttnlabError, match="has no text"):
+        TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
+    assert not list((tmp_path / "cache").iterdir())  # the failed build left nothing
+    with pytest.raises(AttnlabError, match="not found"):
+        TokenizedCorpus.build([tmp_path / "absent.txt"], minilm_tokenizer, tmp_path / "cache")
+
+
+def test_split_holds_out_the_last_documents(
+    tmp_path: Path, minilm_tokenizer: BertTokenizer
+) -> None:
+    path = _write_blank_separated(tmp_path / "corpus.txt", ENGLISH_DOCS)
+    corpus = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
+    train, held_out = corpus.split(1)
+    assert train.n_documents == 2 and held_out.n_documents == 1
+    assert [a.tolist() for a in held_out.document(0)] == [a.tolist() for a in corpus.document(2)]
+    assert train.n_sentences + held_out.n_sentences == corpus.n_sentences
+    assert train.n_tokens + held_out.n_tokens == corpus.n_tokens
+    with pytest.raises(AttnlabError, match="hold out"):
+        corpus.split(3)
+
+
+# ---- ExampleBuilder on a corpus whose every token names its sentence -------------------------
+
+N_DOCS, SENTENCES_PER_DOC = 40, 24
+CLS, SEP = 2, 3  # ids of train-free vocabularies below: [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3
+
+
+def _tagged_corpus(tmp_path: Path, n_docs: int = N_DOCS, seed: int = 0) -> tuple:
+    """A corpus where sentence s of document d is 'dDsS' repeated 2..12 times."""
+    rng = np.random.default_rng(seed)
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    documents = []
+    for d in range(n_docs):
+        document = []
+        for s in range(SENTENCES_PER_DOC):
+            tag = f"d{d}s{s}"
+            vocab[tag] = len(vocab)
+            document.append(" ".join([tag] * int(rng.integers(2, 13))))
+        documents.append(document)
+    tokenizer = BertTokenizer.from_vocab(vocab)
+    path = _write_blank_separated(tmp_path / f"tagged{n_docs}.txt", documents)
+    corpus = TokenizedCorpus.build([path], tokenizer, tmp_path / "cache")
+    where = {i: tuple(map(int, t[1:].split("s"))) for t, i in vocab.items() if t[0] == "d"}
+    return corpus, tokenizer, where
+
+
+@pytest.fixture(scope="module")
+def tagged(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    return _tagged_corpus(tmp_path_factory.mktemp("tagged"))
+
+
+def _segments(example: Example) -> tuple[np.ndarray, np.ndarray | None]:
+    """The A and B token ids of an example, checking the [CLS]/[SEP] layout and segment ids."""
+    ids, types = example.input_ids, example.token_type_ids
+    assert ids[0] == CLS and ids[-1] == SEP
+    seps = np.flatnonzero(ids == SEP)
+    assert len(seps) in (1, 2)
+    first_sep = seps[0]
+    assert (types[: first_sep + 1] == 0).all() and (types[first_sep + 1 :] == 1).all()
+    assert example.word_starts[[0, *seps.tolist()]].all()
+    if len(seps) == 1:
+        return ids[1:first_sep], None
+    return ids[1:first_sep], ids[first_sep + 1 : -1]
+
+
+def _sentences(ids: np.ndarray, where: dict) -> tuple[set[int], list[int]]:
+    """Documents and sentence numbers (in order) that a segment's tokens come from."""
+    places = [where[int(i)] for i in ids]
+    return {d for d, _ in places}, [s for _, s in places]
+
+
+def test_nsp_examples_are_laid_out_and_labelled(tagged: tuple) -> None:
+    corpus, _, where = tagged
+    builder = ExampleBuilder(corpus, CLS, SEP, max_seq_len=64, objective="mlm+nsp", seed=1)
+    examples = [e for epoch in range(4) for e in builder.epoch(epoch)]
+    labels = np.array([e.label for e in examples])
+    assert set(labels.tolist()) == {0, 1}
+    # Single-sentence chunks are always NotNext (google), so the rate sits a little above
+    # 1/2; with ~2,000 examples its standard deviation is about 0.011.
+    assert 0.47 < labels.mean() < 0.58, labels.mean()
+    untruncated_next = 0
+    for example in examples:
+        assert len(example.input_ids) <= 64 and example.input_ids.dtype == np.int32
+        a, b = _segments(example)
+        assert b is not None and len(a) >= 1 and len(b) >= 1
+        a_docs, a_sentences = _sentences(a, where)
+        b_docs, b_sentences = _sentences(b, where)
+        assert len(a_docs) == 1 and len(b_docs) == 1
+        assert a_sentences == sorted(a_sentences) and b_sentences == sorted(b_sentences)
+        if example.label == 0:  # IsNext: B continues A in the same document
+            assert a_docs == b_docs
+            if len(a) + len(b) < 61:  # untruncated: B starts with the very next sentence
+                assert b_sentences[0] == a_sentences[-1] + 1
+                untruncated_next += 1
+            else:  # truncation may cut B's first few short sentences from its front
+                assert a_sentences[-1] < b_sentences[0] <= a_sentences[-1] + 6
+        else:  # NotNext: B from another document
+            assert a_docs != b_docs
+    assert untruncated_next > 100
+
+
+def test_sop_examples_come_from_one_document(tagged: tuple) -> None:
+    corpus, _, where = tagged
+    builder = ExampleBuilder(corpus, CLS, SEP, max_seq_len=64, objective="mlm+sop", seed=2)
+    examples = [e for epoch in range(4) for e in builder.epoch(epoch)]
+    labels = np.array([e.label for e in examples])
+    assert abs(labels.mean() - 0.5) < 0.05, labels.mean()  # std ~0.012
+    for example in examples:
+        assert len(example.input_ids) <= 64
+        a, b = _segments(example)
+        a_docs, a_sentences = _sentences(a, where)
+        b_docs, b_sentences = _sentences(b, where)
+        assert a_docs == b_docs and len(a_docs) == 1
+        if example.label == 0:
+            assert a_sentences[-1] <= b_sentences[0]
+        else:  # swapped: the later segment comes first
+            assert a_sentences[0] >= b_sentences[-1]
+
+
+def test_mlm_examples_pack_whole_sentences_of_one_document(tagged: tuple) -> None:
+    corpus, _, where = tagged
+    builder = ExampleBuilder(corpus, CLS, SEP, max_seq_len=48, objective="mlm")
+    examples = list(builder.epoch(0))
+    seen = Counter()
+    for example in examples:
+        assert example.label == -1 and len(example.input_ids) <= 48
+        a, b = _segments(example)
+        assert b is None and (example.token_type_ids == 0).all()
+        docs, sentences = _sentences(a, where)
+        assert len(docs) == 1
+        seen.update((next(iter(docs)), s) for s in set(sentences))
+    # Every sentence appears exactly once per epoch (no sentence is longer than 46 tokens).
+    assert set(seen.values()) == {1} and len(seen) == corpus.n_sentences
+    assert sum(len(e.input_ids) - 2 for e in examples) == corpus.n_tokens
+
+
+def test_examples_are_deterministic_per_seed_and_epoch(tagged: tuple) -> None:
+    corpus = tagged[0]
+
+    def ids(seed: int, epoch: int) -> list[list[int]]:
+        builder = ExampleBuilder(corpus, CLS, SEP, max_seq_len=64, seed=seed)
+        return [[*e.input_ids.tolist(), e.label] for e in builder.epoch(epoch)]
+
+    assert ids(0, 3) == ids(0, 3)
+    assert ids(0, 3) != ids(0, 4)
+    assert ids(0, 3) != ids(1, 3)
+    builder = ExampleBuilder(corpus, CLS, SEP, max_seq_len=64)
+    assert builder.count_epoch(2) == len(list(builder.epoch(2)))
+
+
+def test_sentences_longer_than_the_target_are_cut(tmp_path: Path) -> None:
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, "a", "##b", "c"])}
+    tokenizer = BertTokenizer.from_vocab(vocab)
+    documents = [["a " * 300, "c c c"], ["ab " * 150], ["c"], ["a c " * 40 + "a"]]
+    path = _write_blank_separated(tmp_path / "long.txt", documents)
+    corpus = TokenizedCorpus.build([path], tokenizer, tmp_path / "cache")
+    for objective, short in itertools.product(("mlm", "mlm+nsp", "mlm+sop"), (0.0, 0.5)):
+        builder = ExampleBuilder(
+            corpus, CLS, SEP, max_seq_len=16, objective=objective, short_seq_prob=short
+        )
+        for epoch in range(5):
+            for example in builder.epoch(epoch):
+                assert 3 <= len(example.input_ids) <= 16
+                a, b = _segments(example)
+                assert len(a) >= 1 and (b is None or len(b) >= 1)
+                # A segment cut inside a word still begins a word.
+                assert example.word_starts[1]
+
+
+def test_truncation_matches_googles_loop() -> None:
+    # google's truncate_seq_pair removes one token at a time from the longer segment.
+    rng = np.random.default_rng(0)
+    for la, lb, limit in itertools.product(range(1, 12), range(1, 12), range(2, 14)):
+        a = (np.arange(la), np.ones(la, bool))
+        b = (np.arange(100, 100 + lb), np.ones(lb, bool))
+        new_a, new_b = pretraining._truncate_pair(a, b, limit, rng)
+        ga, gb = la, lb
+        while ga + gb > limit:
+            if ga > gb:
+                ga -= 1
+            else:
+                gb -= 1
+        assert (len(new_a[0]), len(new_b[0])) == (ga, gb)
+        # What is left is one contiguous run of each segment.
+        assert np.all(np.diff(new_a[0]) == 1) and np.all(np.diff(new_b[0]) == 1)
+
+
+def test_single_document_corpus(tmp_path: Path, minilm_tokenizer: BertTokenizer) -> None:
+    # One line without blank lines is one document (whose sentences split_sentences finds).
+    path = tmp_path / "one.txt"
+    path.write_text("First sentence here. Second one follows! And a third.\n", encoding="utf-8")
+    corpus = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
+    assert (corpus.n_documents, corpus.n_sentences) == (1, 3)
+    cls, sep = minilm_tokenizer.cls_id, minilm_tokenizer.sep_id
+    with pytest.raises(AttnlabError, match=r"single document.*--objective mlm"):
+        ExampleBuilder(corpus, cls, sep, objective="mlm+nsp")
+    assert list(ExampleBuilder(corpus, cls, sep, objective="mlm").epoch(0))
+    assert list(ExampleBuilder(corpus, cls, sep, objective="mlm+sop").epoch(0))
+    with pytest.raises(AttnlabError, match="unknown pretraining objective"):
+        ExampleBuilder(corpus, cls, sep, objective="nsp")
+
+
+def test_views_keep_examples_inside_their_documents(tagged: tuple) -> None:
+    corpus, _, where = tagged
+    train, held_out = corpus.split(5)
+    held_docs = set(range(N_DOCS - 5, N_DOCS))
+    for view, allowed in ((train, set(range(N_DOCS - 5))), (held_out, held_docs)):
+        builder = ExampleBuilder(view, CLS, SEP, max_seq_len=64)
+        for example in builder.epoch(0):
+            a, b = _segments(example)
+            assert _sentences(np.concatenate([a, b]), where)[0] <= allowed
+
+
+# ---- Chinese: jieba word starts on the real review corpus -----------------------------------
+
+
+def test_chinese_corpus_with_jieba_word_starts(tmp_path: Path) -> None:
+    jieba = pytest.importorskip("jieba")
+    with gzip.open(ZH_REVIEWS, "rt", encoding="utf-8") as stream:
+        lines = list(itertools.islice(stream, 2000))
+    path = tmp_path / "reviews.txt"
+    path.write_text("".join(lines), encoding="utf-8")
+    tokenizer = train_wordpiece([path], vocab_size=3000)
+    corpus = TokenizedCorpus.build([path], tokenizer, tmp_path / "cache", chinese_words=True)
+    documents = list(read_documents(path))
+    assert corpus.n_documents == len(documents)
+
+    # For a sample of sentences, the word starts of Chinese characters are jieba's.
+    sentence = 0
+    checked_multi_char_words = 0
+    for document in documents[:60]:
+        for text in document:
+            starts = corpus.sentence_word_starts(sentence).astype(bool)
+            encoding = tokenizer.backend.encode(text, add_special_tokens=False)
+            assert corpus.sentence(sentence).tolist() == encoding.ids
+            jieba_starts = {start for _, start, _ in jieba.tokenize(text)}
+            for flag, (begin, _) in zip(starts, encoding.offsets, strict=True):
+                if pretraining._is_cjk(text[begin]):
+                    assert flag == (begin in jieba_starts)
+            checked_multi_char_words += sum(len(w) > 1 for w, _, _ in jieba.tokenize(text))
+            sentence += 1
+    assert checked_multi_char_words > 100
+    assert corpus.word_starts.mean() < 0.9  # words of several characters are common
+
+    for objective in ("mlm", "mlm+nsp", "mlm+sop"):
+        builder = ExampleBuilder(corpus, tokenizer.cls_id, tokenizer.sep_id, 128, objective)
+        examples = list(itertools.islice(builder.epoch(0), 200))
+        assert examples and all(len(e.input_ids) <= 128 for e in examples)
+
+
+def test_chinese_words_without_jieba_is_a_clear_error(
+    tmp_path: Path, minilm_tokenizer: BertTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "jieba", None)  # makes `import jieba` fail
+    path = _write_blank_separated(tmp_path / "corpus.txt", [["中文句子。"]])
+    with pytest.raises(AttnlabError, match="pip install jieba"):
+        TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache", chinese_words=True)

@@ -1,0 +1,340 @@
+"""The trainer: optimiser groups, schedules, the loop, exact resume after SIGKILL, DDP, accumulation."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _trainer_run import TinyClassifier, make_data, train
+from _trainer_run import kill_in_save as kill_in_save_hook
+from safetensors.torch import load_file
+from torch import nn
+
+from attnlab.config import BertConfig
+from attnlab.errors import AttnlabError
+from attnlab.models.bert import BertForPreTraining
+from attnlab.train import (
+    TensorBatches,
+    TrainConfig,
+    build_optimizer,
+    inverse_sqrt,
+    linear_warmup_decay,
+    read_rows,
+)
+
+HELPER = Path(__file__).with_name("_trainer_run.py")
+WALL_CLOCK = ("tokens_per_s", "elapsed_s")
+
+
+def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "checkpoints" / f"step-{step}" / "model.safetensors"))
+
+
+def _rows(run: Path) -> list[dict]:
+    return [
+        {k: v for k, v in row.items() if k not in WALL_CLOCK}
+        for row in read_rows(run / "metrics.jsonl")
+    ]
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _forked(out: Path, kill_in_save: int | None = None, **options) -> multiprocessing.Process:
+    """Train in a forked child: a real process to SIGKILL, without re-importing torch."""
+
+    def child() -> None:
+        torch.set_num_threads(1)  # the same reduction order in every run; fork-safe OpenMP
+        if kill_in_save is not None:
+            kill_in_save_hook(kill_in_save)
+        train(out, **options)
+
+    # Imported once here, not in every child: torch.optim's first use and the loss plot.
+    import matplotlib.backends.backend_agg  # noqa: F401
+    import torch._dynamo
+
+    process = multiprocessing.get_context("fork").Process(target=child)
+    process.start()
+    return process
+
+
+def _exit_code(process: multiprocessing.Process) -> int | None:
+    process.join(timeout=120)
+    if process.is_alive():  # hung: end it so the test fails instead of hanging
+        process.kill()
+        process.join()
+        return None
+    return process.exitcode
+
+
+# ---- optimiser and schedules ------------------------------------------------------------
+
+
+def test_adamw_groups_exclude_biases_and_layernorm_and_count_tied_weights_once() -> None:
+    config = BertConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+    model = BertForPreTraining(config)
+    optimizer = build_optimizer(model, lr=1e-4)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    decay, no_decay = optimizer.param_groups
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.01, 0.0)
+    assert decay["betas"] == (0.9, 0.999) and decay["eps"] == 1e-6
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    layer_norm = {
+        names[id(p)] for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()
+    }
+    biases = {name for name in names.values() if name.endswith("bias")}
+    assert {names[id(p)] for p in no_decay["params"]} == biases | layer_norm
+    assert {names[id(p)] for p in decay["params"]} == set(names.values()) - biases - layer_norm
+    assert "mlm.bias" in biases and "bert.embeddings.norm.weight" in layer_norm
+    # Embeddings are decayed, as in BERT.
+    assert any(p is model.bert.embeddings.word_embeddings.weight for p in decay["params"])
+    # The MLM decoder shares the word embeddings: that tensor is optimised once.
+    ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))
+    assert model.mlm.word_embeddings.weight is model.bert.embeddings.word_embeddings.weight
+
+
+def test_adam_has_the_transformer_papers_settings() -> None:
+    optimizer = build_optimizer(TinyClassifier(), lr=1.0, kind="adam")
+    assert isinstance(optimizer, torch.optim.Adam) and len(optimizer.param_groups) == 1
+    group = optimizer.param_groups[0]
+    assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.9, 0.98), 1e-9, 0.0)
+    with pytest.raises(AttnlabError, match="optimizer must be one of"):
+        build_optimizer(TinyClassifier(), lr=1.0, kind="sgd")
+
+
+def _lrs(scheduler: torch.optim.lr_scheduler.LambdaLR, steps: int) -> list[float]:
+    lrs = []
+    for _ in range(steps):
+        lrs.append(scheduler.get_last_lr()[0])
+        scheduler.optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def _optimizer(lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+
+
+def test_linear_warmup_decay_follows_the_formula() -> None:
+    lr, warmup, total = 2e-4, 10, 50
+    lrs = _lrs(linear_warmup_decay(_optimizer(lr), warmup, total), total + 5)
+    for step in (0, 1, 5, 9):
+        assert lrs[step] == pytest.approx(lr * step / warmup)
+    for step in (10, 11, 30, 49, 50, 54):
+        assert lrs[step] == pytest.approx(lr * max(0.0, (total - step) / (total - warmup)))
+    assert max(lrs) == pytest.approx(lr) and lrs[total] == 0.0
+
+
+def test_inverse_sqrt_follows_the_formula_with_its_peak_at_lr() -> None:
+    lr, warmup = 1e-3, 8
+    lrs = _lrs(inverse_sqrt(_optimizer(lr), warmup), 40)
+    for step in (0, 3, 7, 8, 20, 39):
+        n = step + 1
+        expected = lr * math.sqrt(warmup) * min(n**-0.5, n * warmup**-1.5)
+        assert lrs[step] == pytest.approx(expected)
+    assert max(lrs) == pytest.approx(lr) == lrs[warmup - 1]
+    # With d_model: the paper's lrate = d_model^-0.5 * min(n^-0.5, n * warmup^-1.5).
+    paper = _lrs(inverse_sqrt(_optimizer(1.0), 4000, d_model=512), 4001)
+    assert paper[3999] == pytest.approx(512**-0.5 * 4000**-0.5)
+    assert paper[99] == pytest.approx(512**-0.5 * 100 * 4000**-1.5)
+
+
+# ---- batches ------------------------------------------------------------------------------
+
+
+def test_tensor_batches_shard_the_global_batch_and_resume_in_place() -> None:
+    data = {"x": torch.arange(20)}
+    single = TensorBatches(data, batch_size=4, seed=3)
+    ranks = [TensorBatches(data, batch_size=4, seed=3) for _ in range(2)]
+    for rank, source in enumerate(ranks):
+        source.set_rank(rank, 2)
+    streams = [iter(single), *(iter(r) for r in ranks)]
+    for _ in range(12):  # more than two epochs of 5 batches
+        whole, first, second = (next(s)["x"] for s in streams)
+        assert torch.equal(whole, torch.cat([first, second]))
+
+    resumed = TensorBatches(data, batch_size=4, seed=3)
+    resumed.load_state_dict(single.state_dict())
+    for _, batch in zip(range(7), resumed, strict=False):
+        assert torch.equal(batch["x"], next(streams[0])["x"])
+    with pytest.raises(AttnlabError, match="not divisible"):
+        TensorBatches(data, batch_size=3).set_rank(0, 2)
+
+
+# ---- the loop -----------------------------------------------------------------------------
+
+
+def test_fit_trains_logs_evaluates_plots_and_keeps_the_last_checkpoints(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _, summary = train(
+        out, steps=40, log_every=5, eval_every=10, save_every=10, keep_last=2, lr=3e-2
+    )
+    rows = read_rows(out / "metrics.jsonl")
+    train_rows = [r for r in rows if not r.get("eval")]
+    eval_rows = [r for r in rows if r.get("eval")]
+    assert [r["step"] for r in train_rows] == list(range(5, 41, 5))
+    for row in train_rows:
+        assert {"step", "loss", "lr", "tokens_per_s", "elapsed_s", "accuracy", "grad_norm"} <= set(
+            row
+        )
+    assert train_rows[-1]["loss"] < 0.8 * train_rows[0]["loss"]
+    # tokens counts real tokens (the attention mask): 40 steps of 8 examples, 5 epochs of 64.
+    assert train_rows[-1]["tokens"] == 5 * int(make_data()["attention_mask"].sum())
+    assert [r["step"] for r in eval_rows] == [10, 20, 30, 40]
+    assert {"loss", "accuracy"} <= set(eval_rows[0])
+    assert eval_rows[-1]["loss"] < eval_rows[0]["loss"]
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-30", "step-40"]
+    assert summary["step"] == 40 and summary["loss"] == train_rows[-1]["loss"]
+    assert summary["eval"]["accuracy"] == eval_rows[-1]["accuracy"]
+    assert summary["tokens_per_s"] > 0 and summary["wall_s"] > 0
+    assert summary["checkpoint"] == str(out / "checkpoints" / "step-40")
+    state = torch.load(out / "checkpoints/step-40/trainer.pt", weights_only=True)
+    assert state["step"] == 40 and state["config"]["steps"] == 40
+
+
+def test_bf16_runs_the_forward_pass_under_autocast(tmp_path: Path) -> None:
+    trainer, summary = train(tmp_path / "run", steps=3, precision="bf16", save_every=0)
+    assert trainer.model.seen_dtype == torch.bfloat16
+    assert math.isfinite(summary["loss"])
+    assert next(trainer.model.parameters()).dtype == torch.float32  # master weights stay fp32
+
+
+def test_grad_accum_of_half_batches_equals_one_full_batch(tmp_path: Path) -> None:
+    common = {"steps": 5, "dropout": 0.0, "eval_every": 0, "save_every": 0}
+    _, whole = train(tmp_path / "whole", batch_size=8, grad_accum=1, **common)
+    _, halves = train(tmp_path / "halves", batch_size=4, grad_accum=2, **common)
+    a, b = _weights(tmp_path / "whole", 5), _weights(tmp_path / "halves", 5)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)
+    assert halves["loss"] == pytest.approx(whole["loss"], abs=1e-6)
+
+
+# ---- resume -------------------------------------------------------------------------------
+
+
+def test_resume_after_two_sigkills_is_bit_identical_to_an_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    """Killed while writing the step-8 checkpoint, then mid-step 10; resumed each time."""
+    ref, run = tmp_path / "uninterrupted", tmp_path / "killed"
+    job = {"steps": 12, "batch_size": 4, "grad_accum": 2}
+    reference = _forked(ref, **job)  # runs alongside the killed chain
+
+    assert _exit_code(_forked(run, kill_in_save=8, **job)) == -signal.SIGKILL
+    checkpoints = run / "checkpoints"
+    (partial,) = checkpoints.glob(".step-8.*.tmp")  # the kill came mid-write
+    assert (partial / "trainer.pt").is_file() and not (partial / "COMPLETE").exists()
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-4"]
+
+    # Resumes from step 4; killed at its 12th micro-batch, the 2nd of step 10, after step 8
+    # was saved: a backward pass has run that no checkpoint holds.
+    resumed = _forked(run, resume=True, kill_at_batch=12, **job)
+    assert _exit_code(resumed) == -signal.SIGKILL
+    assert not list(checkpoints.glob(".step-*"))
+    assert max(r["step"] for r in read_rows(run / "metrics.jsonl")) == 9
+
+    assert _exit_code(_forked(run, resume=True, **job)) == 0
+    assert _exit_code(reference) == 0
+    final, expected = _weights(run, 12), _weights(ref, 12)
+    assert final.keys() == expected.keys()
+    assert all(torch.equal(final[name], expected[name]) for name in expected)
+    assert _rows(run) == _rows(ref)
+    assert [r["step"] for r in _rows(ref) if not r.get("eval")] == list(range(1, 13))
+    state, ref_state = (
+        torch.load(r / "checkpoints/step-12/trainer.pt", weights_only=True) for r in (run, ref)
+    )
+    for key, moments in ref_state["optimizer"]["state"].items():
+        assert all(torch.equal(moments[m], state["optimizer"]["state"][key][m]) for m in moments)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-12", "step-8"]
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "trainer.pt"])
+def test_a_corrupt_checkpoint_is_named_and_nothing_is_overwritten(
+    tmp_path: Path, damaged: str
+) -> None:
+    out = tmp_path / "run"
+    train(out, steps=4, save_every=2, eval_every=0)
+    target = out / "checkpoints" / "step-4" / damaged
+    target.write_bytes(target.read_bytes()[:40])
+    before = _snapshot(out)
+    with pytest.raises(AttnlabError) as error:
+        train(out, steps=6, save_every=2, eval_every=0, resume=True)
+    message = str(error.value)
+    assert "step-4" in message and "unreadable" in message and "\n" not in message
+    assert _snapshot(out) == before
+
+
+def test_an_existing_run_needs_resume_or_overwrite(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    train(out, steps=2, save_every=2, eval_every=0)
+    before = _snapshot(out)
+    with pytest.raises(AttnlabError, match=r"holds a run: pass --resume .* or --overwrite"):
+        train(out, steps=3, save_every=3, eval_every=0)
+    assert _snapshot(out) == before
+    with pytest.raises(AttnlabError, match="not both"):
+        TrainConfig(out_dir=out, steps=3, resume=True, overwrite=True)
+
+    train(out, steps=3, save_every=3, eval_every=0, overwrite=True)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3"]
+    assert [r["step"] for r in read_rows(out / "metrics.jsonl")] == [1, 2, 3, 3]  # 3: eval
+
+
+def test_sigterm_during_a_save_leaves_the_last_complete_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "run"
+    real_save = torch.save
+
+    def save_then_sigterm(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        if Path(f).parent.name.startswith(".step-4."):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(torch, "save", save_then_sigterm)
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        train(out, steps=6, save_every=2, eval_every=0, keep_last=0)
+    assert signal.getsignal(signal.SIGTERM) is handler
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
+
+
+# ---- distributed --------------------------------------------------------------------------
+
+
+def test_two_ddp_processes_match_one_process_on_the_same_global_batch(tmp_path: Path) -> None:
+    job = ["--steps", "6", "--batch-size", "8", "--dropout", "0"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node", "2", str(HELPER), "--out", str(tmp_path / "ddp"), *job]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ddp = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    _, single = train(tmp_path / "single", steps=6, batch_size=8, dropout=0.0)
+    try:
+        output, _ = ddp.communicate(timeout=180)
+    finally:
+        ddp.kill()  # a no-op once it has exited
+    assert ddp.returncode == 0, output.decode()[-3000:]
+
+    a, b = _weights(tmp_path / "single", 6), _weights(tmp_path / "ddp", 6)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
+    rows = _rows(tmp_path / "ddp")  # written once, by rank 0, with the all-reduced mean loss
+    single_rows = _rows(tmp_path / "single")
+    assert [r["step"] for r in rows] == [r["step"] for r in single_rows]
+    for row, expected in zip(rows, single_rows, strict=True):
+        assert row["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+        assert row.get("tokens") == expected.get("tokens")
+    (line,) = [s for s in output.decode().splitlines() if s.startswith('{"step"')]
+    summary = json.loads(line)
+    assert summary["step"] == 6 and summary["loss"] == pytest.approx(single["loss"], abs=1e-5)
