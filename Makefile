@@ -18,6 +18,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/tour.py
+	$(PY) examples/pretrain_demo.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

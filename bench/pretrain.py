@@ -27,22 +27,6 @@ from common import machine, matmul_peak_flops
 MASK_RATE = 0.15
 
 
-def synthetic_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random ids with [CLS]/[SEP]-like specials, 15% of positions carrying MLM labels."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1000, vocab, (batch, seq), generator=g)
-    ids[:, 0], ids[:, -1] = 101, 102
-    labels = torch.full_like(ids, -100)
-    chosen = torch.rand(batch, seq, generator=g) < MASK_RATE
-    chosen[:, 0] = chosen[:, -1] = False
-    labels[chosen] = ids[chosen]
-    ids[chosen] = 103
-    types = torch.zeros_like(ids)
-    types[:, seq // 2 :] = 1
-    nsp = torch.randint(0, 2, (batch,), generator=g)
-    return {"ids": ids, "labels": labels, "types": types, "nsp": nsp}
-
-
 def step_flops(config, batch: int, seq: int, masked: int) -> float:
     """Training FLOPs of one step (3x forward), MLM projection on masked positions only."""
     d, f, n, v = config.d_model, config.d_ff, config.n_layers, config.vocab_size
@@ -63,30 +47,18 @@ def time_steps(step, steps: int) -> float:
 
 
 def attnlab_step(config, data, precision: str):
-    """One AdamW training step of attnlab's BertForPreTraining."""
+    """attnlab's training step (the trainer's: forward, backward, clip, AdamW) on one batch."""
     from attnlab.models.bert import BertForPreTraining
+    from attnlab.tasks.pretrain import training_step
     from attnlab.train.optim import build_optimizer
 
     model = BertForPreTraining(config).train()
-    optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.01)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
-
-    def step() -> None:
-        with autocast:
-            loss = model(
-                data["ids"], token_type_ids=data["types"], mlm_labels=data["labels"],
-                nsp_labels=data["nsp"],
-            )["loss"]  # fmt: skip
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
+    step = training_step(model, build_optimizer(model, lr=1e-4, weight_decay=0.01), precision)
+    return lambda: step(data)
 
 
 def hf_step(config, data, precision: str):
-    """One AdamW training step of HF transformers' BertForPreTraining, as its docs train it."""
+    """HF transformers' BertForPreTraining trained as its docs show (AdamW, clip 1.0)."""
     from transformers import BertConfig as HFConfig
     from transformers import BertForPreTraining as HFPreTraining
 
@@ -99,8 +71,8 @@ def hf_step(config, data, precision: str):
     def step() -> None:
         with autocast:
             loss = model(
-                input_ids=data["ids"], token_type_ids=data["types"], labels=data["labels"],
-                next_sentence_label=data["nsp"],
+                input_ids=data["input_ids"], token_type_ids=data["token_type_ids"],
+                labels=data["mlm_labels"], next_sentence_label=data["nsp_labels"],
             ).loss  # fmt: skip
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -124,10 +96,11 @@ def main() -> None:
     torch.manual_seed(0)
 
     from attnlab.config import BertConfig
+    from attnlab.tasks.pretrain import synthetic_batch
 
     config = BertConfig.preset(args.preset)
-    data = synthetic_batch(config.vocab_size, args.batch_size, args.seq_len)
-    masked = int((data["labels"] != -100).sum())
+    data = synthetic_batch(config.vocab_size, args.batch_size, args.seq_len, MASK_RATE)
+    masked = int((data["mlm_labels"] != -100).sum())
     flops = step_flops(config, args.batch_size, args.seq_len, masked)
     peak = matmul_peak_flops()
     tokens = args.batch_size * args.seq_len
