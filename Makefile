@@ -29,6 +29,8 @@ test: lint
 
 bench: $(STAMP)
 	$(PY) bench/embed.py
+	$(PY) bench/pretrain.py --preset bert-small --batch-size 32 --seq-len 128
+	$(PY) bench/pretrain.py --preset bert-base --batch-size 8 --seq-len 128
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

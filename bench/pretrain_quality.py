@@ -123,7 +123,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from attnlab.tasks.pretrain import PretrainOptions, _prepare, _tokenizer
+    from attnlab.tasks.pretrain import PretrainOptions, build_model, prepare_data, run_tokenizer
     from attnlab.text.tokenizer import BertTokenizer
     from attnlab.train import TrainConfig, Trainer
 
@@ -136,23 +136,23 @@ def main() -> None:
         cache_dir=data_dir / "cache", progress=False,
     )  # fmt: skip
     if not (vocab_dir / "vocab.txt").exists():  # one vocabulary for both models
-        _tokenizer(opts, [corpus]).save(vocab_dir)
+        run_tokenizer(opts, [corpus]).save(vocab_dir)
     opts.tokenizer = vocab_dir
     tokenizer = BertTokenizer.from_dir(vocab_dir)
-    job = _prepare(opts, [corpus], tokenizer)
-    model = job.model if args.model == "attnlab" else HFAdapter(job.model.config)
+    job = prepare_data(opts, [corpus], tokenizer)
+    torch.manual_seed(0)
+    ours = build_model(opts, tokenizer)
+    model = ours if args.model == "attnlab" else HFAdapter(ours.config)
 
     # Size the schedule to the budget: time a few steps of this model first.
     probe = TrainConfig(
         out_dir=args.out / "probe", steps=6, progress=False, save_every=0, overwrite=True
     )
     probe_model = (
-        job.model.__class__(job.model.config)
-        if args.model == "attnlab"
-        else HFAdapter(job.model.config)
+        build_model(opts, tokenizer) if args.model == "attnlab" else HFAdapter(ours.config)
     )
     start = time.perf_counter()
-    Trainer(probe_model, _prepare(opts, [corpus], tokenizer).batches, probe).fit()
+    Trainer(probe_model, prepare_data(opts, [corpus], tokenizer).batches, probe).fit()
     per_step = (time.perf_counter() - start) / 6
     steps = max(10, int(args.minutes * 60 / per_step))
     print(

@@ -282,6 +282,38 @@ def cmd_fill_mask(args: argparse.Namespace) -> None:
             print(f"  [MASK] {i}: {shown}")
 
 
+def cmd_distill(args: argparse.Namespace) -> None:
+    """Distil a smaller BERT from a teacher checkpoint (DistilBERT); resumable."""
+    import dataclasses
+
+    from attnlab.tasks.distill import DistillOptions, distill
+
+    fields = {f.name for f in dataclasses.fields(DistillOptions)}
+    values: dict[str, object] = {}
+    if args.config:
+        values.update(read_config_file(args.config))
+    values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise AttnlabError(f"--config: unknown option(s) {', '.join(unknown)}")
+    for key in ("teacher", "out"):
+        if key not in values:
+            raise AttnlabError(f"distill needs --{key} DIR (or '{key}' in the --config file)")
+    for key in ("teacher", "out", "cache_dir"):
+        if values.get(key) is not None:
+            values[key] = Path(str(values[key]))
+    if isinstance(values.get("corpus"), (str, Path)):
+        values["corpus"] = [values["corpus"]]
+    values["corpus"] = [Path(str(c)) for c in values.get("corpus") or []]
+    try:
+        options = DistillOptions(**values)
+    except TypeError as err:
+        raise AttnlabError(f"distill: bad option ({err})") from None
+    summary = distill(options)
+    print(json.dumps({k: v for k, v in summary.items() if k != "checkpoint"}, default=str))
+    _say(f"distilled student written to {options.out}")
+
+
 def cmd_bench_pretrain(args: argparse.Namespace) -> None:
     """Time training steps of a preset on synthetic data; one JSON line."""
     from attnlab.tasks.pretrain import bench_pretraining
@@ -371,6 +403,35 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--top-k", type=int, default=5)
     sub.add_argument("--json", action="store_true", help="one JSON object per text")
     sub.add_argument("text", nargs="+", help="text with one or more [MASK]")
+
+    sub = command("distill", cmd_distill, "distil a smaller BERT from a teacher (DistilBERT)")
+    sub.add_argument("--config", help="TOML or YAML file with any of these options")
+    sub.add_argument("--teacher", help="teacher checkpoint directory (HF or attnlab BERT)")
+    sub.add_argument("--student-layers", type=int, help="student = teacher with N layers")
+    sub.add_argument("--student-preset", help="student = a fresh model of this size")
+    sub.add_argument("--corpus", nargs="+", help="UTF-8 text files (default: bundled sample)")
+    sub.add_argument("--out", help="output directory (an HF-compatible checkpoint)")
+    sub.add_argument("--steps", type=int)
+    sub.add_argument("--batch-size", type=int, help="examples per optimiser step")
+    sub.add_argument("--seq-len", type=int)
+    sub.add_argument("--lr", type=float, help="peak learning rate (default 5e-4)")
+    sub.add_argument("--warmup", type=int, help="warm-up steps (default 5%% of --steps)")
+    sub.add_argument("--temperature", type=float, help="softmax temperature T (default 2)")
+    sub.add_argument("--alpha-ce", type=float, help="weight of the KL term (default 5)")
+    sub.add_argument("--alpha-mlm", type=float, help="weight of the student's MLM loss (default 2)")
+    sub.add_argument(
+        "--alpha-cos", type=float, help="weight of the cosine term (default 1; 0 if widths differ)"
+    )
+    sub.add_argument("--whole-word-masking", action="store_true", default=None)
+    sub.add_argument("--save-every", type=int)
+    sub.add_argument("--keep-last", type=int)
+    sub.add_argument("--eval-every", type=int)
+    sub.add_argument("--log-every", type=int)
+    sub.add_argument("--resume", action="store_true", default=None)
+    sub.add_argument("--overwrite", action="store_true", default=None)
+    sub.add_argument("--seed", type=int)
+    sub.add_argument("--precision", choices=("fp32", "bf16"))
+    sub.add_argument("--cache-dir", help="where tokenized corpora are cached")
 
     bench = commands.add_parser("bench", help="speed measurements")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)

@@ -253,7 +253,8 @@ class PretrainOptions:
             raise AttnlabError("--resume and --overwrite contradict each other: choose one")
 
 
-def _check_out(opts: PretrainOptions) -> None:
+def check_out_dir(opts: PretrainOptions) -> None:
+    """Refuse an --out that holds files or another run, unless resuming or overwriting."""
     # The trainer checks this too, but the tokenizer is written before it starts.
     out = opts.out
     if out.exists() and not out.is_dir():
@@ -266,7 +267,7 @@ def _check_out(opts: PretrainOptions) -> None:
         raise AttnlabError(f"--resume: {out} holds no pretraining run to resume")
 
 
-def _tokenizer(opts: PretrainOptions, files: list[Path]) -> BertTokenizer:
+def run_tokenizer(opts: PretrainOptions, files: list[Path]) -> BertTokenizer:
     """The run's vocabulary: a resumed run's own, --tokenizer, --init's, or one trained now."""
     saved = opts.out / TOKENIZER_DIR
     if opts.resume and (saved / "vocab.txt").is_file():
@@ -321,15 +322,17 @@ def build_model(opts: PretrainOptions, tokenizer: BertTokenizer) -> BertForPreTr
 
 
 @dataclass
-class _Job:
-    """Everything a rank needs to train, built and checked before anything is written."""
+class PretrainingData:
+    """The training stream and held-out scorer of a run, built and checked before any write."""
 
-    model: BertForPreTraining
     batches: PretrainingBatches
     evaluate: Callable[[nn.Module], dict[str, float]] | None
 
 
-def _prepare(opts: PretrainOptions, files: list[Path], tokenizer: BertTokenizer) -> _Job:
+def prepare_data(
+    opts: PretrainOptions, files: list[Path], tokenizer: BertTokenizer
+) -> PretrainingData:
+    """Tokenize (or reuse the cache), hold out documents, build examples, masking and batches."""
     corpus = TokenizedCorpus.build(
         files,
         tokenizer,
@@ -367,8 +370,7 @@ def _prepare(opts: PretrainOptions, files: list[Path], tokenizer: BertTokenizer)
         evaluate = evaluation(
             eval_builder, collator, opts.eval_examples, opts.batch_size, opts.seed
         )
-    torch.manual_seed(opts.seed)  # the initial weights are part of the run's reproducibility
-    return _Job(build_model(opts, tokenizer), batches, evaluate)
+    return PretrainingData(batches, evaluate)
 
 
 def pretrain(opts: PretrainOptions) -> dict[str, Any]:
@@ -379,14 +381,16 @@ def pretrain(opts: PretrainOptions) -> dict[str, Any]:
         if not file.is_file():
             raise AttnlabError(f"corpus file {file} not found")
     rank, _, _ = init_distributed()
-    _check_out(opts)  # on every rank, before any rank writes
+    check_out_dir(opts)  # on every rank, before any rank writes
     # Rank 0 makes the vocabulary, tokenizes and checks everything; only then is anything
     # written to --out. A failure is shared with every rank, so none waits at a barrier.
     failure: AttnlabError | None = None
     if rank == 0:
         try:
-            tokenizer = _tokenizer(opts, files)
-            job = _prepare(opts, files, tokenizer)
+            tokenizer = run_tokenizer(opts, files)
+            data = prepare_data(opts, files, tokenizer)
+            torch.manual_seed(opts.seed)  # the initial weights are part of the run
+            model = build_model(opts, tokenizer)
         except AttnlabError as err:
             failure = err
     if int(all_reduce_sum(torch.tensor([0 if failure is None else 1]))):
@@ -396,7 +400,9 @@ def pretrain(opts: PretrainOptions) -> dict[str, Any]:
     barrier()
     if rank != 0:
         tokenizer = BertTokenizer.from_dir(opts.out / TOKENIZER_DIR)
-        job = _prepare(opts, files, tokenizer)
+        data = prepare_data(opts, files, tokenizer)
+        torch.manual_seed(opts.seed)
+        model = build_model(opts, tokenizer)
     config = TrainConfig(
         out_dir=opts.out,
         steps=opts.steps,
@@ -415,16 +421,17 @@ def pretrain(opts: PretrainOptions) -> dict[str, Any]:
         overwrite=opts.overwrite,
         progress=opts.progress,
     )
-    summary = Trainer(job.model, job.batches, config, job.evaluate).fit()
+    summary = Trainer(model, data.batches, config, data.evaluate).fit()
     if rank == 0:
-        save_bert(job.model.eval(), opts.out / "final.tmp", tokenizer, overwrite=True)
-        _publish(opts.out / "final.tmp", opts.out)
+        save_bert(model.eval(), opts.out / "final.tmp", tokenizer, overwrite=True)
+        publish(opts.out / "final.tmp", opts.out)
     barrier()
     shutdown_distributed()
     return summary
 
 
-def _publish(stage: Path, out: Path) -> None:
+def publish(stage: Path, out: Path) -> None:
+    """Move a saved model's files from stage into out (each an atomic rename)."""
     # The finished model's files replace any earlier ones in out/, each by an atomic rename,
     # so out/ is an HF checkpoint directory (config.json, model.safetensors, vocab files).
     for item in stage.iterdir():

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import threading
-import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +29,7 @@ from tokenizers import (
 )
 
 from attnlab.errors import AttnlabError
+from attnlab.io import write_text_atomic
 
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 # The order also fixes the ids of a newly trained vocabulary: [PAD]=0 ... [MASK]=4.
@@ -260,9 +259,9 @@ class BertTokenizer:
             "sep_token": SEP,
             "mask_token": MASK,
         }
-        _write_atomic(out / "vocab.txt", "".join(token + "\n" for token in tokens))
-        _write_atomic(out / "tokenizer.json", self._backend.to_str(pretty=True))
-        _write_atomic(out / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+        write_text_atomic(out / "vocab.txt", "".join(token + "\n" for token in tokens))
+        write_text_atomic(out / "tokenizer.json", self._backend.to_str(pretty=True))
+        write_text_atomic(out / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
     # ---- vocabulary -----------------------------------------------------------------------
 
@@ -412,21 +411,6 @@ def _config_value(config: dict, key: str, default: bool | None, path: Path) -> b
     if value is not None and not isinstance(value, bool):
         raise AttnlabError(f"{path}: {key} must be true, false or null, got {value!r}")
     return value
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` so readers see the old file or the new one, never a partial one."""
-    # A plain open (not mkstemp, which makes files 0600) keeps the usual umask permissions.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "x", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 # ---- training ---------------------------------------------------------------------------

@@ -1,0 +1,439 @@
+"""DistilBERT (Sanh et al. 2019): a smaller BERT trained to imitate a frozen teacher.
+
+Section 2 of the paper: the student is the teacher with one layer in two, initialised from
+those layers, trained on masked LM alone (no NSP head or pooler; unlike the paper it keeps
+the token-type embeddings, so the result stays an ordinary HF BERT checkpoint). The loss
+is a linear combination of three terms on pretraining's masked batches:
+
+    L = alpha_ce * L_ce + alpha_mlm * L_mlm + alpha_cos * L_cos
+
+``L_ce``: the distillation loss (Hinton et al. 2015), KL(teacher || student) between the MLM
+distributions softened by a temperature T and scaled by T^2; ``L_mlm``: the student's own
+masked-LM loss; ``L_cos``: 1 - cos between student and teacher last hidden states. Data,
+masking, trainer and checkpoints are pretraining's (``attnlab.tasks.pretrain``) unchanged;
+the output directory is an HF-compatible ``BertForMaskedLM`` checkpoint with the tokenizer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab.config import BertConfig
+from attnlab.errors import AttnlabError
+from attnlab.interop.hf import load_bert, read_config, read_weights, save_bert
+from attnlab.models.bert import BertForPreTraining, count_parameters
+from attnlab.tasks.pretrain import (
+    PretrainOptions,
+    bundled_corpus,
+    check_out_dir,
+    prepare_data,
+    publish,
+)
+from attnlab.text.tokenizer import BertTokenizer
+from attnlab.train.distributed import (
+    all_reduce_sum,
+    barrier,
+    init_distributed,
+    shutdown_distributed,
+)
+from attnlab.train.trainer import Evaluate, TrainConfig, Trainer
+
+_LAYER = re.compile(r"^bert\.encoder\.layers\.(\d+)\.(.+)$")
+
+# ---------------------------------------------------------------------------- the student
+
+
+def teacher_layer(index: int, n_student: int, n_teacher: int) -> int:
+    """The teacher layer that initialises student layer `index`: 2*index when n_student = n_teacher/2."""
+    # DistilBERT keeps one layer in two; spreading evenly extends that to any depth.
+    return index * n_teacher // n_student
+
+
+def student_from_teacher(
+    teacher: BertForPreTraining, n_layers: int | None = None, preset: str | None = None
+) -> BertForPreTraining:
+    """An MLM-only student: the teacher's config with n_layers layers, or a preset size.
+
+    With n_layers every weight is copied from the teacher: the embeddings, the MLM head and,
+    for student layer i, teacher layer ``teacher_layer(i, ...)`` (2i for half the depth).
+    With preset the model is fresh apart from the embeddings and MLM head, which are copied
+    when their shapes match the teacher's (same width). Copies, never shared tensors.
+    """
+    if (n_layers is None) == (preset is None):
+        raise AttnlabError("give exactly one of --student-layers and --student-preset")
+    base = teacher.config
+    if n_layers is not None:
+        if not 1 <= n_layers < base.n_layers:
+            raise AttnlabError(
+                f"--student-layers must be between 1 and {base.n_layers - 1} "
+                f"(the teacher has {base.n_layers} layers)"
+            )
+        config = base.replace(n_layers=n_layers)
+    else:
+        # The preset gives the sizes; the teacher fixes what the inputs and outputs mean.
+        config = BertConfig.preset(
+            preset,
+            vocab_size=base.vocab_size,
+            pad_token_id=base.pad_token_id,
+            type_vocab_size=base.type_vocab_size,
+            max_positions=base.max_positions,
+            position_encoding=base.position_encoding,
+            activation=base.activation,
+            norm_position=base.norm_position,
+            layer_norm_eps=base.layer_norm_eps,
+        )
+    student = BertForPreTraining(config, sentence_head=False)
+    source, target = teacher.state_dict(), student.state_dict()
+    n_teacher, n_student = len(teacher.bert.encoder.layers), len(student.bert.encoder.layers)
+    chosen: dict[str, Tensor] = {}
+    for name in target:
+        match = _LAYER.match(name)
+        if match is None:
+            chosen[name] = source[name]
+        elif n_layers is not None:
+            index, rest = match.groups()
+            picked = teacher_layer(int(index), n_student, n_teacher)
+            chosen[name] = source[f"bert.encoder.layers.{picked}.{rest}"]
+    if all(tensor.shape == target[name].shape for name, tensor in chosen.items()):
+        student.load_state_dict(chosen, strict=False)  # copy_ into the student's own tensors
+    return student.train()
+
+
+# ---------------------------------------------------------------------------- the loss
+
+
+def soft_target_loss(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    temperature: float,
+    normalizer: Tensor | float | None = None,
+) -> Tensor:
+    """T^2 * KL(softmax(teacher/T) || softmax(student/T)), summed over rows / normalizer (default: rows).
+
+    Logits are (n, vocab). The T^2 factor (Hinton et al. 2015, section 2) keeps the soft
+    targets' gradients, which shrink as 1/T^2, on the scale of the hard-label loss.
+    """
+    student_log = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    teacher_log = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    kl = F.kl_div(student_log, teacher_log, reduction="sum", log_target=True)
+    divisor = max(student_logits.shape[0], 1) if normalizer is None else normalizer
+    return kl * temperature**2 / divisor
+
+
+def cosine_loss(student_hidden: Tensor, teacher_hidden: Tensor) -> Tensor:
+    """Mean over rows of 1 - cos(student, teacher): DistilBERT's hidden-state alignment. (n, d) each."""
+    if student_hidden.shape[0] == 0:
+        return student_hidden.sum() * 0.0
+    cos = F.cosine_similarity(student_hidden.float(), teacher_hidden.float(), dim=-1)
+    return (1.0 - cos).mean()
+
+
+class DistillationModel(nn.Module):
+    """Student + frozen teacher; ``forward(**batch)`` returns the DistilBERT loss and its terms.
+
+    The teacher is deliberately not a submodule: ``parameters()``, ``state_dict()``,
+    ``train()`` and hence the optimiser and every checkpoint see only the student (a resumed
+    run reloads the teacher from its directory). ``to()`` still moves it (``_apply``).
+    """
+
+    def __init__(
+        self,
+        teacher: BertForPreTraining,
+        student: BertForPreTraining,
+        temperature: float = 2.0,
+        alpha_ce: float = 5.0,
+        alpha_mlm: float = 2.0,
+        alpha_cos: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if teacher.config.vocab_size != student.config.vocab_size:
+            raise AttnlabError(
+                f"student vocabulary ({student.config.vocab_size}) differs from the teacher's "
+                f"({teacher.config.vocab_size}): their MLM distributions cannot be compared"
+            )
+        self.same_width = teacher.config.d_model == student.config.d_model
+        if alpha_cos and not self.same_width:
+            raise AttnlabError(
+                f"--alpha-cos needs equal widths (student d_model {student.config.d_model}, "
+                f"teacher {teacher.config.d_model}): pass --alpha-cos 0"
+            )
+        if temperature <= 0:
+            raise AttnlabError(f"--temperature must be positive, got {temperature}")
+        self.student = student
+        object.__setattr__(self, "teacher", teacher.eval().requires_grad_(False))
+        self.temperature = temperature
+        self.alpha_ce, self.alpha_mlm, self.alpha_cos = alpha_ce, alpha_mlm, alpha_cos
+
+    def extra_repr(self) -> str:
+        """The frozen teacher's size and the loss weights (the teacher is not printed as a child)."""
+        return (
+            f"teacher={self.teacher.config.n_layers} layers x {self.teacher.config.d_model}, "
+            f"temperature={self.temperature}, alpha_ce={self.alpha_ce}, "
+            f"alpha_mlm={self.alpha_mlm}, alpha_cos={self.alpha_cos}"
+        )
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> DistillationModel:
+        self.teacher._apply(fn)  # not a submodule, so .to(device) would leave it behind
+        return super()._apply(fn, recurse)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        mlm_labels: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        mlm_normalizer: Tensor | None = None,
+    ) -> dict[str, Tensor]:
+        """Losses on a masked batch (batch, seq); logits (n_masked, vocab) of student and teacher.
+
+        ``mlm_normalizer`` (masked tokens per micro-batch of the step, from
+        PretrainingBatches) divides the summed KL and MLM terms, so gradient accumulation and
+        DDP give the whole step's mean; the cosine term is a per-micro-batch mean.
+        """
+        masked = mlm_labels != -100
+        divisor = mlm_normalizer if mlm_normalizer is not None else masked.sum().clamp(min=1)
+        with torch.no_grad():
+            teacher_hidden = self.teacher.bert(
+                input_ids, attention_mask, token_type_ids
+            ).last_hidden_state
+            teacher_logits = self.teacher.mlm(teacher_hidden[masked])
+        hidden = self.student.bert(input_ids, attention_mask, token_type_ids).last_hidden_state
+        logits = self.student.mlm(hidden[masked])  # (n_masked, vocab): the sparse MLM head
+        soft = soft_target_loss(logits, teacher_logits, self.temperature, divisor)
+        mlm = F.cross_entropy(logits.float(), mlm_labels[masked], reduction="sum") / divisor
+        loss = self.alpha_ce * soft + self.alpha_mlm * mlm
+        out = {"distill_loss": soft, "mlm_loss": mlm}
+        if self.same_width:
+            real = attention_mask.bool() if attention_mask is not None else torch.ones_like(masked)
+            out["cosine_loss"] = cosine_loss(hidden[real], teacher_hidden[real])
+            loss = loss + self.alpha_cos * out["cosine_loss"]
+        return {
+            "loss": loss,
+            **out,
+            "mlm_logits": logits,
+            "teacher_mlm_logits": teacher_logits,
+        }
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+
+class _AgreementProbe(nn.Module):
+    """Runs the distillation model and counts where the student's top-1 matches the teacher's."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.agree = self.teacher_correct = self.count = 0
+
+    def forward(self, **batch: Tensor) -> dict[str, Tensor]:
+        """The model's output, unchanged; the counts grow."""
+        out = self.model(**batch)
+        student, teacher = out["mlm_logits"].argmax(-1), out["teacher_mlm_logits"].argmax(-1)
+        labels = batch["mlm_labels"][batch["mlm_labels"] != -100]
+        self.agree += int((student == teacher).sum())
+        self.teacher_correct += int((teacher == labels).sum())
+        self.count += labels.numel()
+        return out
+
+
+def distillation_evaluation(evaluate: Evaluate) -> Evaluate:
+    """Pretraining's held-out scores of the student plus eval_fill_mask_agreement with the teacher.
+
+    ``evaluate`` is pretraining's (``attnlab.tasks.pretrain.evaluation``): its fixed examples
+    and masks give eval_mlm_loss / eval_mlm_accuracy from the student's logits; the probe
+    adds the fraction of masked positions where student and teacher pick the same token,
+    and the teacher's own accuracy for reference.
+    """
+
+    def run(model: nn.Module) -> dict[str, float]:
+        probe = _AgreementProbe(model)
+        metrics = evaluate(probe)
+        if probe.count:
+            metrics["eval_fill_mask_agreement"] = probe.agree / probe.count
+            metrics["eval_teacher_mlm_accuracy"] = probe.teacher_correct / probe.count
+        return metrics
+
+    return run
+
+
+# ---------------------------------------------------------------------------- the recipe
+
+
+@dataclass
+class DistillOptions:
+    """Every setting of a distillation run (CLI flags and config-file keys use these names)."""
+
+    teacher: Path
+    out: Path
+    corpus: list[Path] = field(default_factory=list)
+    student_layers: int | None = None
+    student_preset: str | None = None
+    steps: int = 1000
+    batch_size: int = 32
+    seq_len: int = 128
+    lr: float = 5e-4  # DistilBERT's
+    warmup: int | None = None  # None: 5% of steps (DistilBERT's warmup_prop)
+    temperature: float = 2.0
+    alpha_ce: float = 5.0
+    alpha_mlm: float = 2.0
+    alpha_cos: float | None = None  # None: 1.0 when the widths match, else 0 (cannot compare)
+    save_every: int = 500
+    keep_last: int = 3
+    eval_every: int = 0
+    log_every: int = 10
+    resume: bool = False
+    overwrite: bool = False
+    seed: int = 0
+    precision: str = "fp32"
+    cache_dir: Path | None = None
+    progress: bool = True
+    whole_word_masking: bool = False
+
+    def validate(self) -> None:
+        """Raise AttnlabError for impossible settings, before anything is read or written."""
+        if (self.student_layers is None) == (self.student_preset is None):
+            raise AttnlabError("give exactly one of --student-layers and --student-preset")
+        for name in ("steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.temperature <= 0:
+            raise AttnlabError(f"--temperature must be positive, got {self.temperature}")
+        for name in ("alpha_ce", "alpha_mlm", "alpha_cos"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise AttnlabError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        if self.resume and self.overwrite:
+            raise AttnlabError("--resume and --overwrite contradict each other: choose one")
+        if Path(self.out).resolve() == Path(self.teacher).resolve():
+            raise AttnlabError("--out must differ from --teacher")
+
+    def pretraining(self) -> PretrainOptions:
+        """The pretraining settings of the same data: MLM-only examples, dynamic masking."""
+        return PretrainOptions(
+            out=self.out,
+            corpus=self.corpus,
+            objective="mlm",
+            steps=self.steps,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            whole_word_masking=self.whole_word_masking,
+            resume=self.resume,
+            overwrite=self.overwrite,
+            seed=self.seed,
+            cache_dir=self.cache_dir,
+            progress=self.progress,
+        )
+
+
+def _load_teacher(opts: DistillOptions) -> tuple[BertForPreTraining, BertTokenizer]:
+    read_config(opts.teacher)  # a missing or wrong directory is reported as such first
+    # load_bert gives an encoder-only checkpoint fresh MLM heads: nothing to distil from.
+    if not any(name.startswith("cls.predictions") for name in read_weights(opts.teacher)):
+        raise AttnlabError(
+            f"the teacher in {opts.teacher} has no masked-LM head (cls.predictions): "
+            "distillation needs a BertForPreTraining / BertForMaskedLM checkpoint"
+        )
+    teacher = load_bert(opts.teacher, heads=True)
+    tokenizer = BertTokenizer.from_dir(opts.teacher)
+    if tokenizer.vocab_size > teacher.config.vocab_size:
+        raise AttnlabError(
+            f"the tokenizer in {opts.teacher} has {tokenizer.vocab_size} tokens but config.json "
+            f"says vocab_size {teacher.config.vocab_size}: are they from the same model?"
+        )
+    if opts.seq_len > teacher.config.max_positions:
+        raise AttnlabError(
+            f"--seq-len {opts.seq_len} is above the teacher's max positions "
+            f"({teacher.config.max_positions})"
+        )
+    return teacher, tokenizer
+
+
+def distill(opts: DistillOptions) -> dict[str, Any]:
+    """Distil (or resume distilling) a student from opts.teacher; the trainer's summary and agreement."""
+    opts.validate()
+    files = [Path(f) for f in opts.corpus] or [bundled_corpus()]
+    for file in files:
+        if not file.is_file():
+            raise AttnlabError(f"corpus file {file} not found")
+    data_opts = opts.pretraining()
+    rank, _, _ = init_distributed()
+    check_out_dir(data_opts)  # on every rank, before any rank writes
+    teacher, tokenizer = _load_teacher(opts)
+    torch.manual_seed(opts.seed)  # a preset student's fresh weights are part of the run
+    student = student_from_teacher(teacher, opts.student_layers, opts.student_preset)
+    same_width = teacher.config.d_model == student.config.d_model
+    alpha_cos = opts.alpha_cos if opts.alpha_cos is not None else float(same_width)
+    if opts.alpha_ce == opts.alpha_mlm == alpha_cos == 0:
+        raise AttnlabError("--alpha-ce, --alpha-mlm and --alpha-cos are all 0: nothing to learn")
+    model = DistillationModel(
+        teacher, student, opts.temperature, opts.alpha_ce, opts.alpha_mlm, alpha_cos
+    )
+    config = TrainConfig(
+        out_dir=opts.out,
+        steps=opts.steps,
+        lr=opts.lr,
+        warmup=opts.warmup if opts.warmup is not None else opts.steps // 20,
+        schedule="linear",
+        optimizer="adamw",
+        precision=opts.precision,
+        seed=opts.seed,
+        log_every=opts.log_every,
+        eval_every=opts.eval_every,
+        save_every=opts.save_every,
+        keep_last=opts.keep_last,
+        resume=opts.resume,
+        overwrite=opts.overwrite,
+        progress=opts.progress,
+    )
+    # As in pretrain(): rank 0 tokenizes (filling the cache) and checks the data first, and
+    # shares a failure so no rank waits at a barrier. Nothing is written before fit().
+    failure: AttnlabError | None = None
+    if rank == 0:
+        try:
+            job = prepare_data(data_opts, files, tokenizer)
+        except AttnlabError as err:
+            failure = err
+    if int(all_reduce_sum(torch.tensor([0 if failure is None else 1]))):
+        raise failure or AttnlabError("rank 0 could not prepare the data (see its message)")
+    barrier()
+    if rank != 0:
+        job = prepare_data(data_opts, files, tokenizer)
+    evaluate = distillation_evaluation(job.evaluate) if job.evaluate is not None else None
+    trainer = Trainer(model, job.batches, config, evaluate)  # moves model (and teacher)
+    before = None
+    if evaluate is not None and rank == 0 and not opts.resume:
+        before = _evaluate_now(model, evaluate).get("eval_fill_mask_agreement")
+    summary = trainer.fit()
+    if rank == 0:
+        save_bert(student.eval(), opts.out / "final.tmp", tokenizer, overwrite=True)
+        publish(opts.out / "final.tmp", opts.out)
+    barrier()
+    shutdown_distributed()
+    return {
+        **summary,
+        "agreement_before": before,
+        "agreement": summary["eval"].get("eval_fill_mask_agreement"),
+        "teacher_parameters": count_parameters(teacher),
+        "student_parameters": count_parameters(student),
+        "student_layers": student.config.n_layers,
+        "alpha_cos": alpha_cos,
+    }
+
+
+def _evaluate_now(model: nn.Module, evaluate: Evaluate) -> dict[str, float]:
+    """The held-out scores of the student as initialised (step 0), for the summary."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            return evaluate(model)
+    finally:
+        model.train()
