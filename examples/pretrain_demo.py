@@ -1,4 +1,4 @@
-"""`make demo`, part 2: pretrain a tiny Chinese BERT on the bundled corpus for about two minutes.
+"""`make demo`, part 2: pretrain a tiny Chinese BERT (bert-tiny) on the bundled corpus for about two minutes.
 
 Shows what masked-LM pretraining buys: fill-mask predictions of the randomly initialised
 model, then of the same model after training on attnlab's bundled zh + en sample corpus
@@ -44,14 +44,14 @@ def main() -> None:
     opts = PretrainOptions(
         out=out,
         corpus=[bundled_corpus()],
-        preset="bert-mini",
+        preset="bert-tiny",
         objective="mlm+nsp",
-        steps=int(sys.argv[1]) if len(sys.argv) > 1 else 300,
+        steps=int(sys.argv[1]) if len(sys.argv) > 1 else 1100,
         batch_size=32,
-        seq_len=64,
-        lr=1e-3,
+        seq_len=48,
+        lr=2e-3,
         vocab_size=2000,
-        save_every=100,
+        save_every=200,
         log_every=20,
         eval_documents=30,
         overwrite=True,  # the demo's own scratch directory
@@ -65,7 +65,7 @@ def main() -> None:
     torch.manual_seed(opts.seed)
     show("Before pretraining (random weights)", build_model(opts, tokenizer), tokenizer)
 
-    print(f"\n== Pretraining bert-mini (MLM + NSP) for {opts.steps} steps on the bundled corpus")
+    print(f"\n== Pretraining bert-tiny (MLM + NSP) for {opts.steps} steps on the bundled corpus")
     start = time.perf_counter()
     summary = pretrain(opts)
     print(f"   {time.perf_counter() - start:.0f}s, held-out metrics: {summary['eval']}")
