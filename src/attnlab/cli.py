@@ -10,7 +10,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from attnlab.errors import AttnlabError
 
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from attnlab.text.tokenizer import BertTokenizer
 
 EXIT_USAGE = 2
+T = TypeVar("T")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -227,36 +228,42 @@ def read_config_file(path: str) -> dict[str, object]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-PRETRAIN_PATHS = ("out", "tokenizer", "init", "cache_dir")
-
-
-def cmd_pretrain(args: argparse.Namespace) -> None:
-    """Pretrain a BERT (MLM + NSP / MLM / MLM + SOP) on text files; resumable."""
+def options_from(
+    cls: type[T], args: argparse.Namespace, required: tuple[str, ...], paths: tuple[str, ...]
+) -> T:
+    """A job's options dataclass from --config (TOML/YAML) overridden by the given flags."""
     import dataclasses
 
-    from attnlab.tasks.pretrain import PretrainOptions, pretrain
-
-    fields = {f.name for f in dataclasses.fields(PretrainOptions)}
+    fields = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, object] = {}
     if args.config:
         values.update(read_config_file(args.config))
-    given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    values.update(given)  # flags win over the file
+    values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
     unknown = sorted(set(values) - fields)
     if unknown:
         raise AttnlabError(f"--config: unknown option(s) {', '.join(unknown)}")
-    if "out" not in values:
-        raise AttnlabError("pretrain needs --out DIR (or 'out' in the --config file)")
-    for key in PRETRAIN_PATHS:
+    for key in required:
+        if key not in values:
+            raise AttnlabError(f"{args.command} needs --{key} DIR (or '{key}' in --config)")
+    for key in paths:
         if values.get(key) is not None:
             values[key] = Path(str(values[key]))
     if isinstance(values.get("corpus"), (str, Path)):
         values["corpus"] = [values["corpus"]]
     values["corpus"] = [Path(str(c)) for c in values.get("corpus") or []]
     try:
-        options = PretrainOptions(**values)
+        return cls(**values)
     except TypeError as err:
-        raise AttnlabError(f"pretrain: bad option ({err})") from None
+        raise AttnlabError(f"{args.command}: bad option ({err})") from None
+
+
+def cmd_pretrain(args: argparse.Namespace) -> None:
+    """Pretrain a BERT (MLM + NSP / MLM / MLM + SOP) on text files; resumable."""
+    from attnlab.tasks.pretrain import PretrainOptions, pretrain
+
+    options = options_from(
+        PretrainOptions, args, ("out",), ("out", "tokenizer", "init", "cache_dir")
+    )
     summary = pretrain(options)
     print(json.dumps({k: v for k, v in summary.items() if k != "checkpoint"}, default=str))
     _say(f"pretrained model written to {options.out}")
@@ -284,31 +291,11 @@ def cmd_fill_mask(args: argparse.Namespace) -> None:
 
 def cmd_distill(args: argparse.Namespace) -> None:
     """Distil a smaller BERT from a teacher checkpoint (DistilBERT); resumable."""
-    import dataclasses
-
     from attnlab.tasks.distill import DistillOptions, distill
 
-    fields = {f.name for f in dataclasses.fields(DistillOptions)}
-    values: dict[str, object] = {}
-    if args.config:
-        values.update(read_config_file(args.config))
-    values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise AttnlabError(f"--config: unknown option(s) {', '.join(unknown)}")
-    for key in ("teacher", "out"):
-        if key not in values:
-            raise AttnlabError(f"distill needs --{key} DIR (or '{key}' in the --config file)")
-    for key in ("teacher", "out", "cache_dir"):
-        if values.get(key) is not None:
-            values[key] = Path(str(values[key]))
-    if isinstance(values.get("corpus"), (str, Path)):
-        values["corpus"] = [values["corpus"]]
-    values["corpus"] = [Path(str(c)) for c in values.get("corpus") or []]
-    try:
-        options = DistillOptions(**values)
-    except TypeError as err:
-        raise AttnlabError(f"distill: bad option ({err})") from None
+    options = options_from(
+        DistillOptions, args, ("teacher", "out"), ("teacher", "out", "cache_dir")
+    )
     summary = distill(options)
     print(json.dumps({k: v for k, v in summary.items() if k != "checkpoint"}, default=str))
     _say(f"distilled student written to {options.out}")
