@@ -22,7 +22,9 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+
+from attnlab.config import BertConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import SHARED_DATA, machine
@@ -70,7 +72,7 @@ def build_corpus(folder: Path) -> Path:
 class HFAdapter(nn.Module):
     """HF BertForPreTraining behind attnlab's batch keys and outputs (full-vocabulary logits)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: BertConfig) -> None:
         super().__init__()
         from transformers import BertConfig as HFConfig
         from transformers import BertForPreTraining as HFPreTraining
@@ -82,13 +84,14 @@ class HFAdapter(nn.Module):
 
     def forward(
         self,
-        input_ids,
-        attention_mask,
-        token_type_ids,
-        mlm_labels,
-        nsp_labels=None,
-        mlm_normalizer=None,
-    ):
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        token_type_ids: Tensor,
+        mlm_labels: Tensor,
+        nsp_labels: Tensor | None = None,
+        mlm_normalizer: Tensor | None = None,
+    ) -> dict[str, Tensor]:
+        """HF's forward and loss (mean over masked tokens), in attnlab's output names."""
         out = self.hf(
             input_ids=input_ids,
             attention_mask=attention_mask,
