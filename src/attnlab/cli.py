@@ -314,6 +314,30 @@ def cmd_bench_pretrain(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------- parser
 
 
+def add_training_flags(sub: argparse.ArgumentParser, lr_default: str, warmup_default: str) -> None:
+    """The options every training job on the shared trainer takes (pretrain, distill)."""
+    sub.add_argument("--config", help="TOML or YAML file with any of these options")
+    sub.add_argument("--corpus", nargs="+", help="UTF-8 text files (default: bundled sample)")
+    sub.add_argument("--out", help="output directory (an HF-compatible checkpoint)")
+    sub.add_argument("--steps", type=int)
+    sub.add_argument("--batch-size", type=int, help="examples per optimiser step")
+    sub.add_argument("--seq-len", type=int)
+    sub.add_argument("--lr", type=float, help=f"peak learning rate (default {lr_default})")
+    sub.add_argument(
+        "--warmup", type=int, help=f"warm-up steps (default {warmup_default} of --steps)"
+    )
+    sub.add_argument("--whole-word-masking", action="store_true", default=None)
+    sub.add_argument("--save-every", type=int)
+    sub.add_argument("--keep-last", type=int)
+    sub.add_argument("--eval-every", type=int)
+    sub.add_argument("--log-every", type=int)
+    sub.add_argument("--resume", action="store_true", default=None)
+    sub.add_argument("--overwrite", action="store_true", default=None)
+    sub.add_argument("--seed", type=int)
+    sub.add_argument("--precision", choices=("fp32", "bf16"))
+    sub.add_argument("--cache-dir", help="where tokenized corpora are cached")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every attnlab command."""
     parser = _Parser(prog="attnlab", description="Transformer and BERT toolkit.")
@@ -355,27 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--overwrite", action="store_true")
 
     sub = command("pretrain", cmd_pretrain, "pretrain a BERT on text files (resumable)")
-    sub.add_argument("--config", help="TOML or YAML file with any of these options")
+    add_training_flags(sub, lr_default="1e-4", warmup_default="10%%")
     sub.add_argument("--preset", help="model size (default bert-mini)")
-    sub.add_argument("--corpus", nargs="+", help="UTF-8 text files (default: bundled sample)")
-    sub.add_argument("--out", help="output directory (an HF-compatible checkpoint)")
     sub.add_argument("--objective", choices=("mlm+nsp", "mlm", "mlm+sop"))
-    sub.add_argument("--steps", type=int)
-    sub.add_argument("--batch-size", type=int, help="examples per optimiser step")
     sub.add_argument("--grad-accum", type=int, help="micro-batches per step")
-    sub.add_argument("--seq-len", type=int)
-    sub.add_argument("--lr", type=float)
-    sub.add_argument("--warmup", type=int, help="warm-up steps (default 10%% of --steps)")
-    sub.add_argument("--whole-word-masking", action="store_true", default=None)
     sub.add_argument("--static-masking", action="store_true", default=None)
-    sub.add_argument("--save-every", type=int)
-    sub.add_argument("--keep-last", type=int)
-    sub.add_argument("--eval-every", type=int)
-    sub.add_argument("--log-every", type=int)
-    sub.add_argument("--resume", action="store_true", default=None)
-    sub.add_argument("--overwrite", action="store_true", default=None)
-    sub.add_argument("--seed", type=int)
-    sub.add_argument("--precision", choices=("fp32", "bf16"))
     sub.add_argument("--tokenizer", help="use this vocabulary instead of training one")
     sub.add_argument("--vocab-size", type=int, help="size of the vocabulary trained on --corpus")
     sub.add_argument("--init", help="start from this checkpoint instead of random weights")
@@ -383,7 +391,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--embedding-size", type=int, help="ALBERT factorised embedding size")
     sub.add_argument("--share-layers", action="store_true", default=None, help="ALBERT sharing")
     sub.add_argument("--dropout", type=float, help="hidden and attention dropout (default 0.1)")
-    sub.add_argument("--cache-dir", help="where tokenized corpora are cached")
 
     sub = command("fill-mask", cmd_fill_mask, "predict the tokens hidden by [MASK]")
     sub.add_argument("--model", required=True)
@@ -392,33 +399,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("text", nargs="+", help="text with one or more [MASK]")
 
     sub = command("distill", cmd_distill, "distil a smaller BERT from a teacher (DistilBERT)")
-    sub.add_argument("--config", help="TOML or YAML file with any of these options")
+    add_training_flags(sub, lr_default="5e-4", warmup_default="5%%")
     sub.add_argument("--teacher", help="teacher checkpoint directory (HF or attnlab BERT)")
     sub.add_argument("--student-layers", type=int, help="student = teacher with N layers")
     sub.add_argument("--student-preset", help="student = a fresh model of this size")
-    sub.add_argument("--corpus", nargs="+", help="UTF-8 text files (default: bundled sample)")
-    sub.add_argument("--out", help="output directory (an HF-compatible checkpoint)")
-    sub.add_argument("--steps", type=int)
-    sub.add_argument("--batch-size", type=int, help="examples per optimiser step")
-    sub.add_argument("--seq-len", type=int)
-    sub.add_argument("--lr", type=float, help="peak learning rate (default 5e-4)")
-    sub.add_argument("--warmup", type=int, help="warm-up steps (default 5%% of --steps)")
     sub.add_argument("--temperature", type=float, help="softmax temperature T (default 2)")
     sub.add_argument("--alpha-ce", type=float, help="weight of the KL term (default 5)")
     sub.add_argument("--alpha-mlm", type=float, help="weight of the student's MLM loss (default 2)")
     sub.add_argument(
         "--alpha-cos", type=float, help="weight of the cosine term (default 1; 0 if widths differ)"
     )
-    sub.add_argument("--whole-word-masking", action="store_true", default=None)
-    sub.add_argument("--save-every", type=int)
-    sub.add_argument("--keep-last", type=int)
-    sub.add_argument("--eval-every", type=int)
-    sub.add_argument("--log-every", type=int)
-    sub.add_argument("--resume", action="store_true", default=None)
-    sub.add_argument("--overwrite", action="store_true", default=None)
-    sub.add_argument("--seed", type=int)
-    sub.add_argument("--precision", choices=("fp32", "bf16"))
-    sub.add_argument("--cache-dir", help="where tokenized corpora are cached")
 
     bench = commands.add_parser("bench", help="speed measurements")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
