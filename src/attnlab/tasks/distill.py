@@ -28,23 +28,19 @@ from torch import Tensor, nn
 
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
-from attnlab.interop.hf import load_bert, read_config, read_weights, save_bert
+from attnlab.interop.hf import load_bert, read_config, read_weights
 from attnlab.models.bert import BertForPreTraining, count_parameters
 from attnlab.tasks.pretrain import (
     PretrainOptions,
     bundled_corpus,
     check_out_dir,
+    finish,
     prepare_data,
-    publish,
+    trainer_config,
 )
 from attnlab.text.tokenizer import BertTokenizer
-from attnlab.train.distributed import (
-    all_reduce_sum,
-    barrier,
-    init_distributed,
-    shutdown_distributed,
-)
-from attnlab.train.trainer import Evaluate, TrainConfig, Trainer
+from attnlab.train.distributed import init_distributed, raise_together
+from attnlab.train.trainer import Evaluate, Trainer
 
 _LAYER = re.compile(r"^bert\.encoder\.layers\.(\d+)\.(.+)$")
 
@@ -377,23 +373,7 @@ def distill(opts: DistillOptions) -> dict[str, Any]:
     model = DistillationModel(
         teacher, student, opts.temperature, opts.alpha_ce, opts.alpha_mlm, alpha_cos
     )
-    config = TrainConfig(
-        out_dir=opts.out,
-        steps=opts.steps,
-        lr=opts.lr,
-        warmup=opts.warmup if opts.warmup is not None else opts.steps // 20,
-        schedule="linear",
-        optimizer="adamw",
-        precision=opts.precision,
-        seed=opts.seed,
-        log_every=opts.log_every,
-        eval_every=opts.eval_every,
-        save_every=opts.save_every,
-        keep_last=opts.keep_last,
-        resume=opts.resume,
-        overwrite=opts.overwrite,
-        progress=opts.progress,
-    )
+    config = trainer_config(opts, warmup_divisor=20)  # DistilBERT's 5% warm-up
     # As in pretrain(): rank 0 tokenizes (filling the cache) and checks the data first, and
     # shares a failure so no rank waits at a barrier. Nothing is written before fit().
     failure: AttnlabError | None = None
@@ -402,9 +382,7 @@ def distill(opts: DistillOptions) -> dict[str, Any]:
             job = prepare_data(data_opts, files, tokenizer)
         except AttnlabError as err:
             failure = err
-    if int(all_reduce_sum(torch.tensor([0 if failure is None else 1]))):
-        raise failure or AttnlabError("rank 0 could not prepare the data (see its message)")
-    barrier()
+    raise_together(failure)
     if rank != 0:
         job = prepare_data(data_opts, files, tokenizer)
     evaluate = distillation_evaluation(job.evaluate) if job.evaluate is not None else None
@@ -413,11 +391,7 @@ def distill(opts: DistillOptions) -> dict[str, Any]:
     if evaluate is not None and rank == 0 and not opts.resume:
         before = _evaluate_now(model, evaluate).get("eval_fill_mask_agreement")
     summary = trainer.fit()
-    if rank == 0:
-        save_bert(student.eval(), opts.out / "final.tmp", tokenizer, overwrite=True)
-        publish(opts.out / "final.tmp", opts.out)
-    barrier()
-    shutdown_distributed()
+    finish(student, tokenizer, opts.out, rank)
     return {
         **summary,
         "agreement_before": before,

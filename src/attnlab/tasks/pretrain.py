@@ -32,9 +32,9 @@ from attnlab.text.pretraining import OBJECTIVES, Example, ExampleBuilder, Tokeni
 from attnlab.text.tokenizer import BertTokenizer, train_wordpiece
 from attnlab.train.data import Batch
 from attnlab.train.distributed import (
-    all_reduce_sum,
     barrier,
     init_distributed,
+    raise_together,
     shutdown_distributed,
 )
 from attnlab.train.trainer import METRICS_FILE, TrainConfig, Trainer
@@ -393,8 +393,7 @@ def pretrain(opts: PretrainOptions) -> dict[str, Any]:
             model = build_model(opts, tokenizer)
         except AttnlabError as err:
             failure = err
-    if int(all_reduce_sum(torch.tensor([0 if failure is None else 1]))):
-        raise failure or AttnlabError("rank 0 could not prepare the data (see its message)")
+    raise_together(failure)
     if rank == 0:
         _save_tokenizer(opts, tokenizer)
     barrier()
@@ -403,14 +402,22 @@ def pretrain(opts: PretrainOptions) -> dict[str, Any]:
         data = prepare_data(opts, files, tokenizer)
         torch.manual_seed(opts.seed)
         model = build_model(opts, tokenizer)
-    config = TrainConfig(
+    config = trainer_config(opts, warmup_divisor=10)  # 10% warm-up
+    summary = Trainer(model, data.batches, config, data.evaluate).fit()
+    finish(model, tokenizer, opts.out, rank)
+    return summary
+
+
+def trainer_config(opts: Any, warmup_divisor: int) -> TrainConfig:
+    """The shared trainer's settings from a job's options (pretrain, distill): AdamW, linear decay."""
+    return TrainConfig(
         out_dir=opts.out,
         steps=opts.steps,
         lr=opts.lr,
-        warmup=opts.warmup if opts.warmup is not None else opts.steps // 10,
+        warmup=opts.warmup if opts.warmup is not None else opts.steps // warmup_divisor,
         schedule="linear",
         optimizer="adamw",
-        grad_accum=opts.grad_accum,
+        grad_accum=getattr(opts, "grad_accum", 1),
         precision=opts.precision,
         seed=opts.seed,
         log_every=opts.log_every,
@@ -421,13 +428,15 @@ def pretrain(opts: PretrainOptions) -> dict[str, Any]:
         overwrite=opts.overwrite,
         progress=opts.progress,
     )
-    summary = Trainer(model, data.batches, config, data.evaluate).fit()
+
+
+def finish(model: BertForPreTraining, tokenizer: BertTokenizer, out: Path, rank: int) -> None:
+    """Rank 0 publishes the trained model in out/ (HF layout); every rank leaves the group."""
     if rank == 0:
-        save_bert(model.eval(), opts.out / "final.tmp", tokenizer, overwrite=True)
-        publish(opts.out / "final.tmp", opts.out)
+        save_bert(model.eval(), out / "final.tmp", tokenizer, overwrite=True)
+        publish(out / "final.tmp", out)
     barrier()
     shutdown_distributed()
-    return summary
 
 
 def publish(stage: Path, out: Path) -> None:

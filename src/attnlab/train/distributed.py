@@ -66,3 +66,13 @@ def gather_objects(obj: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def raise_together(failure: Exception | None) -> None:
+    """Re-raise a failure of one rank on every rank, so no rank waits at a barrier forever."""
+    if int(all_reduce_sum(torch.tensor([0 if failure is None else 1]))):
+        if failure is not None:
+            raise failure
+        from attnlab.errors import AttnlabError
+
+        raise AttnlabError("another rank could not prepare the run (see its message)")
