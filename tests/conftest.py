@@ -48,3 +48,25 @@ VARIED_SENTENCES = [
     "A supercalifragilisticexpialidocious antidisestablishmentarianism word.",
     "Numbers: 3.14159, 2,718, 1e-9 and -42.",
 ]
+
+
+def assert_same_run(first: Path, second: Path) -> None:
+    """Two run directories hold bit-identical final weights and the same metrics rows
+    (wall-clock fields aside)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    strip = ("tokens_per_s", "elapsed_s")
+    rows = [
+        [
+            {k: v for k, v in json.loads(line).items() if k not in strip}
+            for line in (folder / "metrics.jsonl").read_text().splitlines()
+        ]
+        for folder in (first, second)
+    ]
+    assert rows[0] == rows[1]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_run
 from safetensors.torch import load_file
 
 from attnlab.cli import main
@@ -269,17 +270,7 @@ def test_resume(teacher_dir, cache, tmp_path, capsys):
     (resumed / "model.safetensors").unlink()
     assert run(resumed, 8) == 2  # it holds a run: refused without --resume
     assert run(resumed, 8, "--resume") == 0
-    a = load_file(straight / "model.safetensors")
-    b = load_file(resumed / "model.safetensors")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-    strip = ("tokens_per_s", "elapsed_s")
-    clean = [
-        [{k: v for k, v in r.items() if k not in strip} for r in _rows(d)]
-        for d in (straight, resumed)
-    ]
-    assert clean[0] == clean[1]
+    assert_same_run(straight, resumed)
     # a finished run continues to more steps
     capsys.readouterr()
     assert run(resumed, 10, "--resume") == 0

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, assert_same_run
 from safetensors.torch import load_file
 
 from attnlab.cli import main
@@ -128,16 +128,7 @@ def test_resume_after_sigkill_is_bit_identical(corpus, vocab, tmp_path):
     third = _run(["pretrain", *base, "--out", str(killed), "--resume"])
     assert third.returncode == 0, third.stderr[-2000:]
 
-    a, b = _weights(straight), _weights(killed)
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-    strip = ("tokens_per_s", "elapsed_s")
-    clean = [
-        [{k: v for k, v in r.items() if k not in strip} for r in _rows(d)]
-        for d in (straight, killed)
-    ]
-    assert clean[0] == clean[1]
+    assert_same_run(straight, killed)
 
 
 def _free_port() -> int:
