@@ -84,6 +84,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument(
+        "--batch-tokens", type=int, default=2048, help="attnlab's token budget per batch"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -114,7 +117,12 @@ def main() -> None:
     )
 
     def ours(dtype: torch.dtype | None = None) -> torch.Tensor:
-        return torch.stack(embed(our_model, our_tok, texts, pooling="mean", dtype=dtype))
+        return torch.stack(
+            embed(
+                our_model, our_tok, texts, pooling="mean", dtype=dtype,
+                max_tokens=args.batch_tokens,
+            )
+        )  # fmt: skip
 
     runs = {
         "hf_docs (a)": lambda: hf_embed(hf_model, hf_tok, texts, sort=False),
