@@ -104,6 +104,7 @@ def train(
     grad_accum: int = 1,
     dropout: float = 0.1,
     kill_at_batch: int | None = None,
+    on_best=None,
     **config: object,
 ) -> tuple[Trainer, dict]:
     """Build the tiny job and fit it; config overrides TrainConfig fields."""
@@ -122,7 +123,8 @@ def train(
     }
     settings.update(config)
     train_config = TrainConfig(out_dir=out, steps=steps, grad_accum=grad_accum, **settings)
-    trainer = Trainer(model, batches, train_config, evaluate=make_evaluate(make_data(32, seed=2)))
+    evaluate = make_evaluate(make_data(32, seed=2))
+    trainer = Trainer(model, batches, train_config, evaluate=evaluate, on_best=on_best)
     return trainer, trainer.fit()
 
 

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,12 @@ from attnlab.models.bert import BertForPreTraining
 from attnlab.train import (
     TensorBatches,
     TrainConfig,
+    Trainer,
     build_optimizer,
     inverse_sqrt,
     linear_warmup_decay,
     read_rows,
+    seed_everything,
 )
 
 HELPER = Path(__file__).with_name("_trainer_run.py")
@@ -219,6 +222,77 @@ def test_grad_accum_of_half_batches_equals_one_full_batch(tmp_path: Path) -> Non
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)
     assert halves["loss"] == pytest.approx(whole["loss"], abs=1e-6)
+
+
+def test_on_best_is_called_exactly_when_the_tracked_metric_improves(tmp_path: Path) -> None:
+    calls: list[float] = []
+
+    def on_best(model: nn.Module, metrics: dict[str, float]) -> None:
+        assert isinstance(model, TinyClassifier)  # the model itself, never a DDP wrapper
+        calls.append(metrics["loss"])
+
+    _, summary = train(
+        tmp_path / "run",
+        steps=30,
+        eval_every=2,
+        lr=5e-2,
+        best_metric="loss",
+        best_mode="min",
+        on_best=on_best,
+    )
+    evals = [r for r in read_rows(tmp_path / "run" / "metrics.jsonl") if r.get("eval")]
+    # The improvements, recomputed from the logged losses: a running minimum.
+    expected, best = [], math.inf
+    for row in evals:
+        if row["loss"] < best:
+            best = row["loss"]
+            expected.append(row)
+    assert 1 < len(expected) < len(evals)  # some evaluations improve, some do not
+    assert calls == [r["loss"] for r in expected]
+    assert [r["step"] for r in evals if r.get("best")] == [r["step"] for r in expected]
+    assert summary["best"]["step"] == expected[-1]["step"]
+    assert summary["best"]["loss"] == min(r["loss"] for r in evals)
+
+
+def test_best_metric_must_be_one_the_evaluation_returns(tmp_path: Path) -> None:
+    with pytest.raises(AttnlabError, match="best_metric 'f1' is not among"):
+        train(tmp_path / "run", steps=4, eval_every=2, best_metric="f1")
+
+
+class _SlowBatches(TensorBatches):
+    def __iter__(self):
+        for batch in super().__iter__():
+            time.sleep(0.05)
+            yield batch
+
+
+def test_max_seconds_stops_with_a_checkpoint_and_a_resume_continues(tmp_path: Path) -> None:
+    from _trainer_run import make_evaluate
+
+    def run(**options: object) -> dict:
+        seed_everything(0)
+        config = TrainConfig(
+            out_dir=tmp_path / "run",
+            steps=200,
+            log_every=1,
+            save_every=0,
+            progress=False,
+            device="cpu",
+            **options,
+        )
+        batches = _SlowBatches(make_data(), 8, seed=1)
+        evaluate = make_evaluate(make_data(32, seed=2))
+        return Trainer(TinyClassifier(), batches, config, evaluate=evaluate).fit()
+
+    first = run(max_seconds=0.5)
+    assert 3 <= first["step"] < 200  # stopped by the clock, not by steps
+    assert first["checkpoint"] == str(tmp_path / "run" / "checkpoints" / f"step-{first['step']}")
+    assert first["eval"]  # the early stop counts as the end: evaluated and saved
+    second = run(max_seconds=1.0, resume=True)
+    assert first["step"] < second["step"] < 200
+    rows = [r for r in read_rows(tmp_path / "run" / "metrics.jsonl") if not r.get("eval")]
+    assert [r["step"] for r in rows] == list(range(1, second["step"] + 1))
+    assert rows[-1]["elapsed_s"] >= 1.0
 
 
 # ---- resume -------------------------------------------------------------------------------

@@ -24,7 +24,10 @@ class TrainConfig:
     ``weight_decay``, ``betas`` and ``eps`` left as None take the optimiser's paper values
     (AdamW: 0.01, (0.9, 0.999), 1e-6 as in BERT; Adam: 0, (0.9, 0.98), 1e-9 as in the
     Transformer). ``eval_every`` / ``save_every`` of 0 mean only at the end; ``keep_last``
-    of 0 keeps every checkpoint.
+    of 0 keeps every checkpoint. ``best_metric`` names an evaluation metric to track
+    (``best_mode`` "max" or "min"): each evaluation that improves it calls the trainer's
+    ``on_best``. ``max_seconds`` ends training early, with a checkpoint, once that much
+    training time (summed over resumed runs) has passed.
     """
 
     out_dir: Path
@@ -49,6 +52,9 @@ class TrainConfig:
     progress: bool = True
     device: str = "auto"
     find_unused_parameters: bool = False  # DDP: set when some parameters get no gradient
+    best_metric: str | None = None
+    best_mode: str = "max"
+    max_seconds: float | None = None
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -71,6 +77,10 @@ class TrainConfig:
                 raise AttnlabError(
                     f"train: {name} must be one of {list(allowed)}, got {getattr(self, name)!r}"
                 )
+        if self.best_mode not in ("max", "min"):
+            raise AttnlabError(f"train: best_mode must be 'max' or 'min', got {self.best_mode!r}")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise AttnlabError(f"train: max_seconds must be > 0, got {self.max_seconds}")
         if self.schedule == "inverse_sqrt" and self.warmup < 1:
             raise AttnlabError("train: the inverse_sqrt schedule needs warmup >= 1")
         if self.resume and self.overwrite:

@@ -53,6 +53,7 @@ from attnlab.train.optim import build_optimizer, build_scheduler
 
 CHECKPOINT_DIR = "checkpoints"
 Evaluate = Callable[[nn.Module], dict[str, float]]
+OnBest = Callable[[nn.Module, dict[str, float]], None]
 
 
 def _resolve_device(name: str, local_rank: int) -> torch.device:
@@ -106,8 +107,9 @@ class Trainer:
     ``model(**batch)`` must return a dict with a scalar ``"loss"``; its other 0-dim tensors
     (e.g. ``mlm_loss``, ``nsp_loss``) are logged too. ``evaluate(model)`` is called in eval
     mode under no_grad on rank 0 and returns named floats; it cannot disturb training (the
-    RNG states are put back afterwards). ``optimizer`` / ``scheduler`` default to those the
-    config names. Under torchrun the model is wrapped in DistributedDataParallel and each
+    RNG states are put back afterwards). With ``config.best_metric`` set, ``on_best(model,
+    metrics)`` is called (rank 0) after each evaluation that improves that metric, e.g. to
+    keep the best dev model. ``optimizer`` / ``scheduler`` default to those the config names. Under torchrun the model is wrapped in DistributedDataParallel and each
     rank reads its own shard of batches; only rank 0 writes files or shows progress.
     """
 
@@ -119,8 +121,11 @@ class Trainer:
         evaluate: Evaluate | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        on_best: OnBest | None = None,
     ) -> None:
         self.config = config
+        if config.best_metric is not None and evaluate is None:
+            raise AttnlabError("train: best_metric needs an evaluate function")
         self.rank, self.world_size, local_rank = init_distributed()
         self.is_main = self.rank == 0
         self.device = _resolve_device(config.device, local_rank)
@@ -128,6 +133,8 @@ class Trainer:
         self.batches = batches
         self.batches.set_rank(self.rank, self.world_size)
         self.evaluate = evaluate
+        self.on_best = on_best
+        self.best: dict[str, float] | None = None  # step and metrics of the best evaluation
         self.optimizer = optimizer or build_optimizer(
             self.model, config.lr, config.weight_decay, config.betas, config.eps, config.optimizer
         )
@@ -178,12 +185,12 @@ class Trainer:
         try:
             with _sigterm_as_interrupt():
                 self.model.train()
-                while self.step < cfg.steps:
+                while self.step < cfg.steps and not self._out_of_time():
                     values, tokens = self._train_step(data)
                     self.step += 1
                     self._window.add(values, tokens)
                     bar.update(1)
-                    self._after_step(bar)
+                    self._after_step(bar, final=self.step == cfg.steps or self._out_of_time())
         finally:
             bar.close()
         if self.is_main:
@@ -196,16 +203,24 @@ class Trainer:
             "tokens_per_s": self._session_tokens / wall if self.step > start_step else 0.0,
             "wall_s": wall,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+            "best": self.best,
         }
 
-    def _after_step(self, bar: tqdm) -> None:
+    def _out_of_time(self) -> bool:
+        """Whether config.max_seconds of training time have passed (the same answer on every rank)."""
+        limit = self.config.max_seconds
+        if limit is None:
+            return False
+        over = torch.tensor([float(self._elapsed() >= limit)], device=self.device)
+        return bool(all_reduce_sum(over).item() > 0)  # any rank over the limit stops them all
+
+    def _after_step(self, bar: tqdm, final: bool) -> None:
         """Log, evaluate and checkpoint where this step is due for them.
 
         In that order: the checkpoint of step N then follows every row of step N, so a run
         resumed from it keeps exactly the rows with step <= N.
         """
         cfg = self.config
-        final = self.step == cfg.steps
         if final or self.step % cfg.log_every == 0:
             row = self._log_window()
             bar.set_postfix(
@@ -299,9 +314,27 @@ class Trainer:
             finally:
                 self.model.train()
                 restore_rng(rng, self.device)
-            self.log.append({"step": self.step, "eval": True, **metrics})
+            improved = self._is_best(metrics)
+            row = {"step": self.step, "eval": True, **metrics}
+            self.log.append({**row, "best": True} if improved else row)
             self.last_eval = metrics
+            if improved:
+                self.best = {"step": self.step, **metrics}
+                if self.on_best is not None:
+                    self.on_best(self.model, metrics)
         barrier()
+
+    def _is_best(self, metrics: dict[str, float]) -> bool:
+        name = self.config.best_metric
+        if name is None:
+            return False
+        if name not in metrics:
+            raise AttnlabError(f"train: best_metric {name!r} is not among {sorted(metrics)}")
+        if self.best is None:
+            return True
+        if self.config.best_mode == "max":
+            return metrics[name] > self.best[name]
+        return metrics[name] < self.best[name]
 
     def _last_row(self, eval_rows: bool) -> dict[str, Any]:
         for row in reversed(self.log.rows):
@@ -370,6 +403,7 @@ class Trainer:
             self.step = state["step"]
             self.tokens_seen = state["tokens_seen"]
             self._elapsed_before = state["elapsed_s"]
+            self.best = state.get("best")
             self.last_checkpoint = path
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise AttnlabError(f"checkpoint {path} does not fit this run ({exc})") from exc
@@ -392,6 +426,7 @@ class Trainer:
                 "tokens_seen": self.tokens_seen,
                 "elapsed_s": self._elapsed(),
                 "world_size": self.world_size,
+                "best": self.best,
                 "config": self.config.to_dict(),
             }
             self.last_checkpoint = save_checkpoint(
