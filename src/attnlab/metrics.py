@@ -1,0 +1,219 @@
+"""Evaluation metrics of the fine-tuning tasks, as the benchmarks define them.
+
+- classification: accuracy, macro F1 and Matthews correlation (GLUE's CoLA metric),
+  from scikit-learn;
+- regression: Pearson and Spearman correlation (GLUE's STS-B metrics), from SciPy;
+- NER: entity-level precision / recall / F1 as conlleval counts them, from seqeval;
+- extractive QA: exact match and token F1 of the official SQuAD v1.1 evaluation script,
+  and, with `language="zh"`, the CMRC 2018 rule (see `squad_metrics`).
+
+Every function returns plain Python floats so results drop straight into JSON. SQuAD
+scores are on 0..100 as the official scripts print them; the others are on 0..1.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+import unicodedata
+import warnings
+from collections import Counter
+from collections.abc import Sequence
+from difflib import SequenceMatcher
+
+import numpy as np
+from scipy import stats
+from seqeval import metrics as seqeval_metrics
+from sklearn import metrics as sk_metrics
+
+from attnlab.errors import AttnlabError
+from attnlab.text.tasks import QAExample
+
+# ---- classification ---------------------------------------------------------------------
+
+
+def _check_pairs(y_true: Sequence, y_pred: Sequence) -> None:
+    """Raise unless predictions and gold labels are non-empty and equally many."""
+    if len(y_true) != len(y_pred):
+        raise AttnlabError(f"got {len(y_pred)} predictions for {len(y_true)} gold labels")
+    if len(y_true) == 0:
+        raise AttnlabError("no examples to score")
+
+
+def accuracy(y_true: Sequence, y_pred: Sequence) -> float:
+    """Fraction of predictions equal to the gold label (0..1)."""
+    _check_pairs(y_true, y_pred)
+    return float(sk_metrics.accuracy_score(y_true, y_pred))
+
+
+def macro_f1(y_true: Sequence, y_pred: Sequence) -> float:
+    """Unweighted mean of the per-class F1 over the classes seen in gold or predictions."""
+    _check_pairs(y_true, y_pred)
+    return float(sk_metrics.f1_score(y_true, y_pred, average="macro", zero_division=0))
+
+
+def mcc(y_true: Sequence, y_pred: Sequence) -> float:
+    """Matthews correlation coefficient (-1..1; 0 when either side has a single class)."""
+    _check_pairs(y_true, y_pred)
+    return float(sk_metrics.matthews_corrcoef(y_true, y_pred))
+
+
+def classification_metrics(y_true: Sequence, y_pred: Sequence, n_classes: int) -> dict:
+    """{"accuracy", "f1" (macro)}, plus "mcc" for a binary task."""
+    result = {"accuracy": accuracy(y_true, y_pred), "f1": macro_f1(y_true, y_pred)}
+    if n_classes == 2:
+        result["mcc"] = mcc(y_true, y_pred)
+    return result
+
+
+# ---- regression -------------------------------------------------------------------------
+
+
+def _correlation(function, x: Sequence[float], y: Sequence[float]) -> float:
+    """A SciPy correlation of two equally long series; NaN when either is constant."""
+    _check_pairs(x, y)
+    if len(x) < 2:
+        raise AttnlabError("a correlation needs at least 2 examples")
+    with warnings.catch_warnings():
+        # A constant series (e.g. a model that has not learned yet) has no correlation:
+        # NaN says so without a warning per evaluation.
+        warnings.simplefilter("ignore", stats.ConstantInputWarning)
+        value = function(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64))
+    return float(value[0])
+
+
+def pearson(x: Sequence[float], y: Sequence[float]) -> float:
+    """Pearson (linear) correlation coefficient."""
+    return _correlation(stats.pearsonr, x, y)
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman rank correlation coefficient."""
+    return _correlation(stats.spearmanr, x, y)
+
+
+def regression_metrics(pred: Sequence[float], gold: Sequence[float]) -> dict:
+    """{"pearson", "spearman"} correlations (-1..1) of predictions with gold scores."""
+    return {"pearson": pearson(pred, gold), "spearman": spearman(pred, gold)}
+
+
+# ---- NER --------------------------------------------------------------------------------
+
+
+def entity_metrics(true_tags: list[list[str]], pred_tags: list[list[str]]) -> dict:
+    """Entity-level {"precision", "recall", "f1"} (an entity counts if span and type match)."""
+    _check_pairs(true_tags, pred_tags)
+    for index, (gold, pred) in enumerate(zip(true_tags, pred_tags, strict=True)):
+        if len(gold) != len(pred):
+            raise AttnlabError(
+                f"sentence {index}: {len(pred)} predicted tags for {len(gold)} words"
+            )
+    # seqeval's default mode reads chunks as conlleval does (I- after O starts an entity).
+    return {
+        "precision": float(seqeval_metrics.precision_score(true_tags, pred_tags)),
+        "recall": float(seqeval_metrics.recall_score(true_tags, pred_tags)),
+        "f1": float(seqeval_metrics.f1_score(true_tags, pred_tags)),
+    }
+
+
+# ---- extractive QA ----------------------------------------------------------------------
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_ENGLISH_PUNCTUATION = frozenset(string.punctuation)
+# CJK Unified Ideographs, the block the CMRC 2018 script splits into single characters.
+_CJK = re.compile(r"[\u4e00-\u9fff]")
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD v1.1 normalisation: lowercase, drop punctuation and a/an/the, collapse spaces."""
+    text = "".join(char for char in text.lower() if char not in _ENGLISH_PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def _is_punctuation(char: str) -> bool:
+    """Unicode punctuation (full-width Chinese marks included) or ASCII punctuation."""
+    return char in _ENGLISH_PUNCTUATION or unicodedata.category(char).startswith("P")
+
+
+def _without_punctuation(text: str) -> str:
+    """`text` lowercased and stripped, punctuation removed (what CMRC 2018's EM compares)."""
+    return "".join(char for char in text.lower().strip() if not _is_punctuation(char))
+
+
+def segment_chinese(text: str) -> list[str]:
+    """CMRC 2018 tokens: lowercased, punctuation dropped, one per CJK character, other runs
+    split on whitespace."""
+    tokens: list[str] = []
+    run: list[str] = []
+    for char in text.lower():
+        if _is_punctuation(char):
+            char = " "  # a dropped mark still ends a run of non-CJK characters
+        if _CJK.match(char):
+            tokens.extend("".join(run).split())
+            run.clear()
+            tokens.append(char)
+        else:
+            run.append(char)
+    tokens.extend("".join(run).split())
+    return tokens
+
+
+def _english_scores(prediction: str, gold: str) -> tuple[float, float]:
+    """(exact match, token-bag F1) of one prediction against one gold answer, SQuAD v1.1."""
+    pred_normal, gold_normal = normalize_answer(prediction), normalize_answer(gold)
+    exact = float(pred_normal == gold_normal)
+    pred_tokens, gold_tokens = pred_normal.split(), gold_normal.split()
+    same = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+    if same == 0:
+        return exact, 0.0
+    precision, recall = same / len(pred_tokens), same / len(gold_tokens)
+    return exact, 2 * precision * recall / (precision + recall)
+
+
+def _chinese_scores(prediction: str, gold: str) -> tuple[float, float]:
+    """(exact match, F1) of one prediction against one gold answer, CMRC 2018 rule."""
+    exact = float(_without_punctuation(prediction) == _without_punctuation(gold))
+    pred_tokens, gold_tokens = segment_chinese(prediction), segment_chinese(gold)
+    # CMRC's F1 counts the longest common *contiguous* run of tokens, not a bag overlap.
+    matcher = SequenceMatcher(None, pred_tokens, gold_tokens, autojunk=False)
+    same = matcher.find_longest_match(0, len(pred_tokens), 0, len(gold_tokens)).size
+    if same == 0:
+        return exact, 0.0
+    precision, recall = same / len(pred_tokens), same / len(gold_tokens)
+    return exact, 2 * precision * recall / (precision + recall)
+
+
+def squad_metrics(
+    predictions: dict[str, str], examples: Sequence[QAExample], language: str = "en"
+) -> dict:
+    """{"exact_match", "f1"} on 0..100, each the best over a question's gold answers.
+
+    `language="en"` is the official SQuAD v1.1 script: answers normalised by
+    `normalize_answer`, F1 over the bag of words. `language="zh"` is the CMRC 2018 rule:
+    lowercase, punctuation removed, one token per Chinese character (other runs split on
+    whitespace), EM on the punctuation-free strings and F1 from the longest common run of
+    tokens. (The official CMRC script lists its punctuation marks and splits non-Chinese
+    runs with NLTK; we take Unicode punctuation and whitespace, which differ only on rare
+    mixed-script answers.) A question with no prediction scores 0, as in both scripts.
+    """
+    scorers = {"en": _english_scores, "zh": _chinese_scores}
+    if language not in scorers:
+        raise AttnlabError(f"language must be 'en' or 'zh', got {language!r}")
+    if not examples:
+        raise AttnlabError("no questions to score")
+    score = scorers[language]
+    exact_total = f1_total = 0.0
+    for example in examples:
+        golds = [answer["text"] for answer in example.answers] + list(example.other_answers)
+        if not golds:
+            raise AttnlabError(f"question {example.id!r} has no gold answer to score against")
+        prediction = predictions.get(example.id)
+        if prediction is None:
+            continue
+        pairs = [score(prediction, gold) for gold in golds]
+        exact_total += max(exact for exact, _ in pairs)
+        f1_total += max(f1 for _, f1 in pairs)
+    return {
+        "exact_match": 100.0 * exact_total / len(examples),
+        "f1": 100.0 * f1_total / len(examples),
+    }
