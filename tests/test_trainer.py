@@ -224,6 +224,17 @@ def test_grad_accum_of_half_batches_equals_one_full_batch(tmp_path: Path) -> Non
     assert halves["loss"] == pytest.approx(whole["loss"], abs=1e-6)
 
 
+def test_compiled_training_matches_eager_training(tmp_path: Path) -> None:
+    common = {"steps": 3, "dropout": 0.0, "eval_every": 0, "save_every": 0}
+    _, eager = train(tmp_path / "eager", **common)
+    trainer, compiled = train(tmp_path / "compiled", compile=True, **common)
+    assert trainer.network is not trainer.model  # the forward pass really ran compiled
+    a, b = _weights(tmp_path / "eager", 3), _weights(tmp_path / "compiled", 3)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
+    assert compiled["loss"] == pytest.approx(eager["loss"], abs=1e-5)
+
+
 def test_on_best_is_called_exactly_when_the_tracked_metric_improves(tmp_path: Path) -> None:
     calls: list[float] = []
 

@@ -230,6 +230,7 @@ class PretrainOptions:
     overwrite: bool = False
     seed: int = 0
     precision: str = "fp32"
+    compile: bool = False
     tokenizer: Path | None = None
     vocab_size: int = 8000
     init: Path | None = None
@@ -419,6 +420,7 @@ def trainer_config(opts: Any, warmup_divisor: int) -> TrainConfig:
         optimizer="adamw",
         grad_accum=getattr(opts, "grad_accum", 1),
         precision=opts.precision,
+        compile=getattr(opts, "compile", False),
         seed=opts.seed,
         log_every=opts.log_every,
         eval_every=opts.eval_every,

@@ -55,6 +55,7 @@ class TrainConfig:
     best_metric: str | None = None
     best_mode: str = "max"
     max_seconds: float | None = None
+    compile: bool = False  # torch.compile the forward pass (pays off on GPUs; measure on CPU)
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)

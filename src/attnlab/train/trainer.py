@@ -148,6 +148,10 @@ class Trainer:
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 find_unused_parameters=config.find_unused_parameters,
             )
+        if config.compile:
+            # Compiled around DDP (not inside it) so DDP's gradient hooks still see every bucket;
+            # checkpoints keep reading self.model, whose parameter names compile leaves alone.
+            self.network = torch.compile(self.network)
         self.step = 0
         self.tokens_seen = 0
         self.checkpoint_root = config.out_dir / CHECKPOINT_DIR
