@@ -52,6 +52,8 @@ def scaled_dot_product_attention(
     bias: additive, broadcastable to (batch, heads, q_len, k_len).
     """
     q_len, k_len = q.shape[-2], k.shape[-2]
+    if causal and q_len == 1:
+        causal = False  # one query at the newest position (a decoding step) sees every key
     if causal and (bias is not None or q_len != k_len or need_weights):
         # SDPA's is_causal aligns the mask top-left; cached decoding needs it bottom-right.
         future = ~causal_mask(q_len, k_len, q.device)
@@ -109,9 +111,13 @@ class KVCache:
         first = self.self_kv[0]
         return 0 if first is None else first[0].shape[2]
 
-    def reorder(self, index: Tensor) -> None:
-        """Keep/duplicate batch rows by index (beam search)."""
-        for slots in (self.self_kv, self.cross_kv):
+    def reorder(self, index: Tensor, cross: bool = True) -> None:
+        """Keep/duplicate batch rows by index (beam search).
+
+        cross=False leaves the cross-attention keys/values alone: when beams are reordered
+        within each sentence, every beam of a sentence holds the same rows there.
+        """
+        for slots in (self.self_kv, self.cross_kv) if cross else (self.self_kv,):
             for i, kv in enumerate(slots):
                 if kv is not None:
                     slots[i] = (kv[0].index_select(0, index), kv[1].index_select(0, index))

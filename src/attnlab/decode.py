@@ -1,0 +1,231 @@
+"""Greedy and beam search over the encoder-decoder Transformer (Vaswani et al. 2017, section 6.1).
+
+The paper decodes with beam size 4 and length penalty alpha = 0.6, "terminating early when
+possible". Both searches here are batched and incremental: the encoder runs once, the
+cross-attention keys/values of each source are computed once (at the first step) and kept in
+the KV cache, and each step feeds the decoder only the newest token. ``use_cache=False``
+re-runs the decoder over the whole prefix each step: the reference path, tested equal.
+
+Lengths: each sentence may emit at most ``max_len = int(a * src_len + b)`` tokens (its own
+source length, not the batch's padded one) before an end-of-sentence token is forced.
+Returned ids carry no bos/eos/pad.
+
+Beam search scores a hypothesis by its summed log-probability divided by GNMT's length penalty
+``lp(L) = ((5 + L) / 6) ** alpha`` (Wu et al. 2016, eq. 14), L counting the eos token: the
+paper's alpha = 0.6 was tuned for that formula (``L ** alpha`` would penalise differently).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from attnlab.errors import AttnlabError
+from attnlab.models.seq2seq import Transformer
+
+
+def gnmt_length_penalty(length: Tensor | float, alpha: float) -> Tensor | float:
+    """GNMT's lp(L) = ((5 + L) / 6) ** alpha; a hypothesis scores log P(y) / lp(|y|)."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+@contextmanager
+def _eval_mode(model: Transformer) -> Iterator[None]:
+    # Decoding must not drop out; restore the caller's mode afterwards (it may be training).
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def _prepare(
+    model: Transformer, src_ids: Tensor, src_mask: Tensor | None, a: float, b: float
+) -> tuple[Tensor, Tensor]:
+    """The source mask (batch, src_len) and each sentence's max output length (batch,)."""
+    if src_mask is None:
+        src_mask = src_ids != model.config.pad_id
+    src_mask = src_mask.to(torch.bool)
+    max_lens = (a * src_mask.sum(-1).double() + b).long()
+    # The last step reads positions 0..max_len (bos + max_len tokens).
+    return src_mask, max_lens.clamp(min=0, max=model.config.max_positions - 1)
+
+
+def _banned_tokens(model: Transformer) -> list[int]:
+    # pad and bos are never outputs; blocking them keeps every search on real sentences.
+    return sorted({model.config.pad_id, model.config.bos_id} - {model.config.eos_id})
+
+
+def _strip(row: list[int], eos_id: int) -> list[int]:
+    return row[: row.index(eos_id)] if eos_id in row else row
+
+
+def greedy_search(
+    model: Transformer,
+    src_ids: Tensor,
+    src_mask: Tensor | None = None,
+    max_len_a: float = 1.2,
+    max_len_b: float = 10,
+    use_cache: bool = True,
+) -> list[list[int]]:
+    """The most probable next token at every step, for each source sentence (batch, src_len)."""
+    cfg = model.config
+    with _eval_mode(model):
+        src_mask, max_lens = _prepare(model, src_ids, src_mask, max_len_a, max_len_b)
+        memory = model.encode(src_ids, src_mask)
+        banned = _banned_tokens(model)
+        rows = torch.arange(src_ids.shape[0], device=src_ids.device)  # sentence of each live row
+        tokens = torch.full((len(rows), 1), cfg.bos_id, device=src_ids.device)  # (live, t + 1)
+        outputs: list[list[int]] = [[] for _ in range(len(rows))]
+        cache = model.new_cache() if use_cache else None
+        step = 0
+        while len(rows):
+            new = tokens[:, -1:] if use_cache else tokens
+            logits = model.decode(new, memory, src_mask, cache)[:, -1]  # (live, vocab)
+            logits[:, banned] = float("-inf")
+            next_token = logits.argmax(-1)
+            next_token.masked_fill_(step >= max_lens, cfg.eos_id)  # out of length: end here
+            tokens = torch.cat((tokens, next_token.unsqueeze(1)), 1)
+            ended = next_token == cfg.eos_id
+            if bool(ended.any()):
+                for row, ids in zip(
+                    rows[ended].tolist(), tokens[ended, 1:-1].tolist(), strict=True
+                ):
+                    outputs[row] = ids
+                # Drop finished sentences so later steps compute only live ones.
+                live = (~ended).nonzero().squeeze(1)
+                rows, tokens, max_lens = rows[live], tokens[live], max_lens[live]
+                memory, src_mask = memory[live], src_mask[live]
+                if cache is not None:
+                    cache.reorder(live)
+            step += 1
+        return outputs
+
+
+def beam_search(
+    model: Transformer,
+    src_ids: Tensor,
+    src_mask: Tensor | None = None,
+    beam_size: int = 4,
+    length_penalty: float = 0.6,
+    max_len_a: float = 1.2,
+    max_len_b: float = 10,
+    use_cache: bool = True,
+) -> list[list[int]]:
+    """The best hypothesis of a width-beam_size search for each source sentence (batch, src_len).
+
+    Each step extends every live beam by every token, keeps the 2k best candidates (k =
+    beam_size) of each sentence, moves those ending in eos and ranked among the first k to
+    the sentence's finished hypotheses, and continues with the k best that do not end. A
+    sentence stops when k hypotheses have ended (the beam's budget, as in fairseq and Marian),
+    or when no live beam can beat its best finished one any more: log-probabilities are <= 0,
+    so a beam of score s ends at best with s / lp(max_len + 1) (for alpha >= 0). The search
+    stops when every sentence has.
+    """
+    if beam_size < 1:
+        raise AttnlabError(f"beam_size must be at least 1, got {beam_size}")
+    cfg, k, alpha = model.config, beam_size, length_penalty
+    with _eval_mode(model):
+        src_mask, max_lens = _prepare(model, src_ids, src_mask, max_len_a, max_len_b)
+        device, n_sent = src_ids.device, src_ids.shape[0]
+        memory = model.encode(src_ids, src_mask)  # once per source
+        # Beams of a sentence sit next to each other: row = sentence * k + beam.
+        memory = memory.repeat_interleave(k, 0)  # (n * k, src_len, d_model)
+        src_mask = src_mask.repeat_interleave(k, 0)
+        banned = _banned_tokens(model)
+        sent = torch.arange(n_sent, device=device)  # original index of each live sentence
+        tokens = torch.full((n_sent * k, 1), cfg.bos_id, device=device)  # (n * k, t + 1)
+        # All beams start as the same "<bos>": only the first one may expand at step 0.
+        scores = torch.full((n_sent, k), float("-inf"), device=device)
+        scores[:, 0] = 0.0
+        n_finished = torch.zeros(n_sent, dtype=torch.long, device=device)
+        best_score = torch.full((n_sent,), float("-inf"), device=device)
+        best_tokens = torch.full(
+            (n_sent, int(max_lens.max()) + 2), cfg.pad_id, dtype=torch.long, device=device
+        )
+        cache = model.new_cache() if use_cache else None
+        ranks = torch.arange(2 * k, device=device)
+        step = 0
+        while len(sent):
+            n = len(sent)
+            new = tokens[:, -1:] if use_cache else tokens
+            logits = model.decode(new, memory, src_mask, cache)[:, -1]  # (n * k, vocab)
+            logp = torch.log_softmax(logits.float(), -1)
+            logp[:, banned] = float("-inf")
+            vocab = logp.shape[-1]
+            logp = logp.view(n, k, vocab)
+            at_max = step >= max_lens  # (n,): these must end now
+            if bool(at_max.any()):
+                eos_logp = logp[:, :, cfg.eos_id].clone()
+                logp[at_max] = float("-inf")
+                logp[:, :, cfg.eos_id] = eos_logp
+            candidates = (scores.unsqueeze(-1) + logp).view(n, k * vocab)
+            top_scores, top_index = candidates.topk(2 * k, dim=1)  # (n, 2k), best first
+            from_beam, token = top_index // vocab, top_index % vocab
+
+            # Finished: eos candidates among the first k ranks (a real score, not -inf).
+            is_eos = token == cfg.eos_id
+            ends = is_eos & (ranks < k) & (top_scores > float("-inf"))
+            n_finished[sent] += ends.sum(1)
+            normalised = top_scores / gnmt_length_penalty(step + 1, alpha)  # length incl. eos
+            normalised = normalised.masked_fill(~ends, float("-inf"))
+            cand_best, cand_rank = normalised.max(1)  # (n,)
+            improved = cand_best > best_score[sent]
+            if bool(improved.any()):
+                which = improved.nonzero().squeeze(1)
+                rows = which * k + from_beam[which, cand_rank[which]]
+                best_score[sent[which]] = cand_best[which]
+                best_tokens[sent[which]] = cfg.pad_id
+                best_tokens[sent[which], : step + 1] = tokens[rows]
+                best_tokens[sent[which], step + 1] = cfg.eos_id
+
+            # Live: the k best candidates that do not end (stable order: eos ones sort last).
+            order = (is_eos.long() * 2 * k + ranks).argsort(dim=1)[:, :k]  # (n, k)
+            scores = top_scores.gather(1, order)
+            scores = scores.masked_fill(is_eos.gather(1, order), float("-inf"))
+            rows = torch.arange(n, device=device).unsqueeze(1) * k + from_beam.gather(1, order)
+            rows = rows.view(-1)
+            tokens = torch.cat((tokens[rows], token.gather(1, order).view(-1, 1)), 1)
+            if cache is not None:
+                cache.reorder(rows, cross=False)  # beams stay within their sentence
+
+            # Which sentences are done?
+            best_live = scores[:, 0]  # (n,), sorted best first
+            bound = best_live / gnmt_length_penalty(
+                (max_lens + 1).to(scores.dtype) if alpha >= 0 else float(step + 2), alpha
+            )
+            done = (
+                (n_finished[sent] >= k) | (best_score[sent] >= bound) | (best_live == float("-inf"))
+            )
+            if bool(done.any()):
+                live = (~done).nonzero().squeeze(1)
+                beam_rows = (live.unsqueeze(1) * k + torch.arange(k, device=device)).view(-1)
+                sent, scores, max_lens = sent[live], scores[live], max_lens[live]
+                tokens, memory, src_mask = tokens[beam_rows], memory[beam_rows], src_mask[beam_rows]
+                if cache is not None:
+                    cache.reorder(beam_rows)
+            step += 1
+        return [_strip(row[1:], cfg.eos_id) for row in best_tokens.tolist()]
+
+
+def translate_ids(
+    model: Transformer,
+    src_ids: Tensor,
+    src_mask: Tensor | None = None,
+    beam_size: int = 4,
+    length_penalty: float = 0.6,
+    max_len_a: float = 1.2,
+    max_len_b: float = 10,
+    use_cache: bool = True,
+) -> list[list[int]]:
+    """Greedy search when beam_size is 1 (the same result, less bookkeeping), else beam search."""
+    if beam_size == 1:
+        return greedy_search(model, src_ids, src_mask, max_len_a, max_len_b, use_cache)
+    return beam_search(
+        model, src_ids, src_mask, beam_size, length_penalty, max_len_a, max_len_b, use_cache
+    )

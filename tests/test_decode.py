@@ -1,0 +1,189 @@
+"""Greedy and beam search (attnlab.decode): cached == uncached, beam 1 == greedy, beam search
+against an exhaustive search, and a tiny model that learns to reverse and decodes exactly."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from attnlab.config import TransformerConfig
+from attnlab.decode import beam_search, gnmt_length_penalty, greedy_search, translate_ids
+from attnlab.models.seq2seq import Transformer
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: extra intra-op threads only add wake-up cost on a busy CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def peaky_model(seed: int = 0, vocab: int = 15, **overrides) -> Transformer:
+    """A random model whose next-token distributions are sharp and vary (as a trained one's do).
+
+    An untied, scaled-up output projection spreads the logits; a raised eos logit makes
+    sentences end at different steps instead of all running to the length limit.
+    """
+    args = dict(
+        src_vocab_size=vocab,
+        tgt_vocab_size=vocab,
+        d_model=32,
+        n_heads=4,
+        d_ff=64,
+        n_encoder_layers=2,
+        n_decoder_layers=2,
+        max_positions=64,
+        tie_output=False,
+        position_encoding="learned",
+    )
+    torch.manual_seed(seed)
+    model = Transformer(TransformerConfig(**{**args, **overrides})).eval()
+    with torch.no_grad():
+        model.output_proj.weight.mul_(8.0)
+        model.output_proj.weight[EOS] *= 0.3
+        model.output_proj.weight[EOS] += 0.4 * model.output_proj.weight[3:].mean(0)
+    return model
+
+
+def sources(n: int = 6, vocab: int = 15, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """n right-padded sources of different lengths (1..8) and their mask."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 9, (n,), generator=g)
+    lengths[0] = 8
+    src = torch.randint(3, vocab, (n, 8), generator=g)
+    mask = torch.arange(8)[None] < lengths[:, None]
+    return src.masked_fill(~mask, PAD), mask
+
+
+def score(model: Transformer, src: torch.Tensor, ids: list[int], alpha: float) -> float:
+    """log P(ids + eos | src) / lp(len + 1), from one teacher-forced pass (beam's scoring)."""
+    tgt_in = torch.tensor([[BOS, *ids]])
+    tgt_out = torch.tensor([[*ids, EOS]])
+    with torch.no_grad():
+        logits = model(src.unsqueeze(0), tgt_in)["logits"]
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, tgt_out.unsqueeze(-1)).sum()
+    return logp.item() / gnmt_length_penalty(len(ids) + 1, alpha)
+
+
+@pytest.mark.parametrize(
+    "norm_position, position_encoding",
+    [("post", "sinusoidal"), ("pre", "rope"), ("post", "learned"), ("pre", "relative_bias")],
+)
+def test_cached_and_uncached_searches_agree(norm_position: str, position_encoding: str) -> None:
+    model = peaky_model(norm_position=norm_position, position_encoding=position_encoding)
+    src, mask = sources()
+    greedy = greedy_search(model, src, mask)
+    assert greedy == greedy_search(model, src, mask, use_cache=False)
+    assert len({len(ids) for ids in greedy}) > 2  # sentences end at different steps
+    beam = beam_search(model, src, mask, beam_size=4)
+    assert beam == beam_search(model, src, mask, beam_size=4, use_cache=False)
+
+
+def test_outputs_are_clean_and_within_each_sentences_length_limit() -> None:
+    model = peaky_model(seed=3)
+    src, mask = sources(seed=4)
+    a, b = 0.5, 2
+    limits = (a * mask.sum(-1) + b).long().tolist()
+    for out in (greedy_search(model, src, mask, a, b), beam_search(model, src, mask, 3, 0.6, a, b)):
+        for ids, limit in zip(out, limits, strict=True):
+            assert len(ids) <= limit
+            assert not {PAD, BOS, EOS} & set(ids)
+    assert model.training is False
+    model.train()
+    greedy_search(model, src, mask)
+    assert model.training  # the caller's mode is restored
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_beam_size_one_is_greedy(seed: int) -> None:
+    model = peaky_model(seed=seed)
+    src, mask = sources(seed=seed + 10)
+    greedy = greedy_search(model, src, mask)
+    assert beam_search(model, src, mask, beam_size=1) == greedy
+    assert translate_ids(model, src, mask, beam_size=1) == greedy
+
+
+def test_beam_scores_at_least_as_well_as_greedy() -> None:
+    better = 0
+    for seed in range(3):
+        model = peaky_model(seed=seed)
+        src, mask = sources(seed=seed + 20)
+        greedy = greedy_search(model, src, mask)
+        beam = beam_search(model, src, mask, beam_size=5, length_penalty=0.6)
+        for s, g, b in zip(src, greedy, beam, strict=True):
+            assert score(model, s, b, 0.6) >= score(model, s, g, 0.6) - 1e-5
+            better += b != g
+    assert better > 0  # the wider search does find other (better) outputs
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
+def test_wide_beam_equals_exhaustive_search(alpha: float) -> None:
+    # Tokens {a, b} and at most 3 of them: 15 possible outputs. A beam of 16 loses none, so
+    # its answer must be the best of all (the early stop included).
+    vocab, max_len = 5, 3
+    model = peaky_model(seed=7, vocab=vocab)
+    src, mask = sources(n=5, vocab=vocab, seed=8)
+    found = beam_search(model, src, mask, 16, alpha, max_len_a=0.0, max_len_b=max_len)
+    for s, ids in zip(src, found, strict=True):
+        every = [list(c) for n in range(max_len + 1) for c in itertools.product((3, 4), repeat=n)]
+        scores = [score(model, s, c, alpha) for c in every]
+        best = max(scores)
+        assert abs(score(model, s, ids, alpha) - best) < 1e-5
+    # the usual narrow beam may miss the optimum, but never outputs past the length limit
+    assert all(len(ids) <= max_len for ids in beam_search(model, src, mask, 2, alpha, 0.0, 3))
+
+
+def reversal_batch(n: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Sources of 3-6 tokens and their reversal: (src, tgt_in = bos + y, tgt_out = y + eos)."""
+    lengths = torch.randint(3, 7, (n,), generator=g)
+    width = int(lengths.max())
+    src = torch.randint(3, 13, (n, width), generator=g)
+    real = torch.arange(width)[None] < lengths[:, None]
+    src = src.masked_fill(~real, PAD)
+    tgt_out = torch.full((n, width + 1), PAD)
+    for i, length in enumerate(lengths.tolist()):
+        tgt_out[i, :length] = src[i, :length].flip(0)
+        tgt_out[i, length] = EOS
+    tgt_in = torch.cat((torch.full((n, 1), BOS), tgt_out[:, :-1]), 1)
+    tgt_in = tgt_in.masked_fill(tgt_in == EOS, PAD)
+    return src, tgt_in, tgt_out
+
+
+def test_tiny_model_learns_to_reverse_and_decodes_exactly() -> None:
+    torch.manual_seed(0)
+    config = TransformerConfig(
+        src_vocab_size=13,
+        tgt_vocab_size=13,
+        d_model=32,
+        n_heads=2,
+        d_ff=64,
+        n_encoder_layers=1,
+        n_decoder_layers=1,
+        dropout=0.0,
+        label_smoothing=0.0,
+        norm_position="pre",
+        max_positions=16,
+    )
+    model = Transformer(config)
+    steps = 400
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.9, 0.98))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / steps)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        src, tgt_in, tgt_out = reversal_batch(64, g)
+        loss = model(src, tgt_in, tgt_out)["loss"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        schedule.step()
+    assert loss.item() < 0.05
+    src, _, tgt_out = reversal_batch(32, torch.Generator().manual_seed(1))
+    expected = [[t for t in row if t not in (PAD, EOS)] for row in tgt_out.tolist()]
+    assert greedy_search(model, src) == expected
+    assert beam_search(model, src, beam_size=4) == expected
