@@ -577,7 +577,7 @@ def test_embed_checks_the_model_before_waiting_for_stdin(monkeypatch, capsys, tm
         (["tokenize", "--model", "m", "--max-length", "ten"], "invalid int value: 'ten'"),
         (["export", "--model", "m", "--format", "onnx", "--out", "o"], "invalid choice"),
         (["embed"], "required: --model"),
-        (["translate"], "invalid choice: 'translate'"),
+        (["summarize"], "invalid choice: 'summarize'"),
         ([], "required"),
     ],
     ids=[

@@ -188,17 +188,26 @@ def _has_heads(model_dir: str) -> bool:
 
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> None:
-    """Train a WordPiece vocabulary on text files and save it to --out."""
+    """Train a WordPiece (BERT) or joint BPE (translation) vocabulary and save it to --out."""
     from attnlab.io import check_out_dir, staged_dir
+    from attnlab.text.bpe import train_bpe
     from attnlab.text.tokenizer import train_wordpiece
 
     check_out_dir(Path(args.out), args.overwrite)
-    if args.vocab_size < 10:
+    files = [*(args.corpus or []), *args.files]
+    if not files:
+        raise AttnlabError("tokenizer train needs text files (FILES... or --corpus)")
+    vocab_size = args.vocab_size or (8000 if args.type == "bpe" else 30522)
+    if vocab_size < 10:
         raise AttnlabError("--vocab-size must be at least 10")
-    tokenizer = train_wordpiece(args.corpus, args.vocab_size, lowercase=not args.cased)
+    if args.type == "bpe":
+        tokenizer = train_bpe(files, vocab_size)
+    else:
+        tokenizer = train_wordpiece(files, vocab_size, lowercase=not args.cased)
     with staged_dir(Path(args.out), args.overwrite) as stage:
         tokenizer.save(stage)
-    _say(f"trained a WordPiece vocabulary of {tokenizer.vocab_size} tokens -> {args.out}")
+    kind = "BPE" if args.type == "bpe" else "WordPiece"
+    _say(f"trained a {kind} vocabulary of {tokenizer.vocab_size} tokens -> {args.out}")
 
 
 def read_config_file(path: str) -> dict[str, object]:
@@ -248,9 +257,10 @@ def options_from(
     for key in paths:
         if values.get(key) is not None:
             values[key] = Path(str(values[key]))
-    if isinstance(values.get("corpus"), (str, Path)):
-        values["corpus"] = [values["corpus"]]
-    values["corpus"] = [Path(str(c)) for c in values.get("corpus") or []]
+    if "corpus" in fields:  # pretrain, distill; finetune reads --train/--dev instead
+        if isinstance(values.get("corpus"), (str, Path)):
+            values["corpus"] = [values["corpus"]]
+        values["corpus"] = [Path(str(c)) for c in values.get("corpus") or []]
     try:
         return cls(**values)
     except TypeError as err:
@@ -301,6 +311,51 @@ def cmd_distill(args: argparse.Namespace) -> None:
     _say(f"distilled student written to {options.out}")
 
 
+def cmd_finetune(args: argparse.Namespace) -> None:
+    """Fine-tune a BERT checkpoint on a task file; keeps the best dev model in --out."""
+    from attnlab.tasks.finetune import FinetuneOptions, finetune
+
+    options = options_from(
+        FinetuneOptions, args, ("model", "train", "out"), ("model", "train", "dev", "out")
+    )
+    results = finetune(options)["results"]
+    print(json.dumps(results, default=str))
+    kept = results["best"] or results["final"]
+    _say(f"fine-tuned model ({results['kept']}, step {kept['step']}) written to {options.out}")
+
+
+def _data_overrides(args: argparse.Namespace) -> dict[str, object]:
+    keys = ("columns", "text_column", "text_pair_column", "label_column", "tag_column")
+    keys += ("max_length",)
+    return {key: getattr(args, key) for key in keys}
+
+
+def cmd_evaluate(args: argparse.Namespace) -> None:
+    """Score a fine-tuned model on a labelled file: one JSON line of metrics."""
+    from attnlab.tasks.finetune import evaluate_file
+
+    metrics = evaluate_file(
+        args.model, args.data, args.task, _data_overrides(args), batch_size=args.batch_size
+    )
+    print(json.dumps(metrics))
+
+
+def cmd_predict(args: argparse.Namespace) -> None:
+    """Write a fine-tuned model's predictions for an input file to --output."""
+    from attnlab.tasks.finetune import predict_file
+
+    n = predict_file(
+        args.model,
+        args.input,
+        args.output,
+        args.task,
+        _data_overrides(args),
+        overwrite=args.overwrite,
+        batch_size=args.batch_size,
+    )
+    _say(f"wrote predictions for {n} example(s) to {args.output}")
+
+
 def cmd_bench_pretrain(args: argparse.Namespace) -> None:
     """Time training steps of a preset on synthetic data; one JSON line."""
     from attnlab.tasks.pretrain import bench_pretraining
@@ -309,6 +364,141 @@ def cmd_bench_pretrain(args: argparse.Namespace) -> None:
         args.preset, args.batch_size, args.seq_len, args.steps, args.precision
     )
     print(json.dumps(result))
+
+
+def cmd_translate(args: argparse.Namespace) -> None:
+    """Translate stdin (or --input) lines with a trained model: one line out per line in."""
+    from attnlab.tasks.translate import load_translation_model, translate_lines
+
+    if not args.model:
+        raise AttnlabError("translate needs --model DIR (or a subcommand: translate train|score)")
+    model, tokenizer = load_translation_model(args.model)  # before stdin: fail fast
+    lines = read_lines(args.input)
+    hyps = translate_lines(
+        model,
+        tokenizer,
+        lines,
+        beam=1 if args.greedy else args.beam,
+        length_penalty=args.length_penalty,
+        batch_size=args.batch_size,
+        max_len_a=args.max_len_a,
+        max_len_b=args.max_len_b,
+        on_truncate=lambda n: _say(f"warning: {n} source line(s) too long were truncated"),
+    )
+    sys.stdout.write("".join(hyp + "\n" for hyp in hyps))
+
+
+def cmd_translate_train(args: argparse.Namespace) -> None:
+    """Train (or resume) a Transformer translation model on parallel text."""
+    from attnlab.tasks.translate import TranslateOptions, train_translation
+
+    options = options_from(TranslateOptions, args, ("out",), ("out", "tokenizer"))
+    summary = train_translation(options, say=_say)
+    print(json.dumps({k: v for k, v in summary.items() if k != "checkpoint"}, default=str))
+    if summary.get("averaged_steps"):
+        _say(f"final model = average of the checkpoints of steps {summary['averaged_steps']}")
+    _say(f"translation model written to {options.out}")
+
+
+def cmd_translate_score(args: argparse.Namespace) -> None:
+    """Translate --src and print sacreBLEU against --ref as one JSON line."""
+    from attnlab.tasks.translate import corpus_bleu, load_translation_model, translate_lines
+
+    model, tokenizer = load_translation_model(args.model)
+    sources, references = read_lines(args.src), read_lines(args.ref)
+    if len(sources) != len(references):
+        raise AttnlabError(
+            f"--src has {len(sources)} lines but --ref has {len(references)}: they must align"
+        )
+    hyps = translate_lines(
+        model,
+        tokenizer,
+        sources,
+        beam=1 if args.greedy else args.beam,
+        length_penalty=args.length_penalty,
+        batch_size=args.batch_size,
+        max_len_a=args.max_len_a,
+        max_len_b=args.max_len_b,
+        on_truncate=lambda n: _say(f"warning: {n} source line(s) too long were truncated"),
+    )
+    result = corpus_bleu(hyps, references, tokenize=args.tokenize)
+    print(json.dumps({**result, "beam": 1 if args.greedy else args.beam}, ensure_ascii=False))
+
+
+def _add_decoding_flags(sub: argparse.ArgumentParser) -> None:
+    """How translations are searched (translate, translate score)."""
+    sub.add_argument("--beam", type=int, default=4, help="beam size (default 4, the paper's)")
+    sub.add_argument("--greedy", action="store_true", help="greedy search (same as --beam 1)")
+    sub.add_argument("--length-penalty", type=float, default=0.6, help="GNMT alpha (0.6)")
+    sub.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
+    sub.add_argument("--max-len-a", type=float, default=1.2, help="max output = a * src_len + b")
+    sub.add_argument("--max-len-b", type=float, default=10)
+
+
+def _add_translate_commands(commands: argparse._SubParsersAction) -> None:
+    """`attnlab translate [--model DIR ...]`, `translate train ...` and `translate score ...`."""
+    text = "translate stdin lines with a trained model; or `translate train|score ...`"
+    sub = commands.add_parser("translate", help=text, description=text)
+    sub.set_defaults(func=cmd_translate)
+    sub.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    sub.add_argument("--model", help="translation model directory (from `translate train`)")
+    sub.add_argument("--input", help="UTF-8 source file (default: stdin)")
+    _add_decoding_flags(sub)
+    # An optional subcommand: without one, `translate` itself translates (the common case).
+    actions = sub.add_subparsers(
+        dest="translate_command", metavar="{train,score}", parser_class=_Parser
+    )
+
+    text = (
+        "train a Transformer on parallel text (resumable); without --train, a quick run of a "
+        "small model on the bundled German-English sample"
+    )
+    train = actions.add_parser("train", help=text, description=text)
+    train.set_defaults(func=cmd_translate_train)
+    train.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    train.add_argument("--config", help="TOML or YAML file with any of these options")
+    train.add_argument("--train", nargs="+", metavar="FILE",
+                       help="SRC TGT files or one SRC<TAB>TGT file (default: bundled de-en sample)")  # fmt: skip
+    train.add_argument("--valid", nargs="+", metavar="FILE",
+                       help="validation SRC TGT or TSV (default: hold out part of --train)")  # fmt: skip
+    train.add_argument("--out", help="output directory (a translation model)")
+    train.add_argument("--preset", help="transformer-small (default), -base or -big")
+    train.add_argument("--tokenizer", help="BPE tokenizer directory instead of learning one")
+    train.add_argument("--vocab-size", type=int, help="joint BPE vocabulary size (default 8000)")
+    train.add_argument(
+        "--max-tokens", type=int, help="padded tokens per batch (default 4096; sample 1024)"
+    )
+    train.add_argument("--steps", type=int, help="optimiser steps (default 100000; sample 400)")
+    train.add_argument("--max-minutes", type=float, help="stop (with a checkpoint) after this long")
+    train.add_argument("--lr", type=float, help="peak learning rate (default 7e-4)")
+    train.add_argument("--warmup", type=int, help="warm-up steps (default 4000, <= 10%% of steps)")
+    train.add_argument("--grad-accum", type=int, help="batches per optimiser step")
+    train.add_argument("--dropout", type=float, help="dropout (default: the preset's)")
+    train.add_argument("--label-smoothing", type=float, help="epsilon_ls (default 0.1)")
+    train.add_argument("--average-last", type=int, help="final model = mean of last N checkpoints")
+    train.add_argument("--eval-every", type=int, help="steps between validations (default 1000)")
+    train.add_argument("--eval-sentences", type=int, help="validation pairs scored by BLEU (200)")
+    train.add_argument("--eval-beam", type=int, help="beam for validation BLEU (default 1)")
+    train.add_argument("--save-every", type=int)
+    train.add_argument("--keep-last", type=int)
+    train.add_argument("--log-every", type=int)
+    train.add_argument("--resume", action="store_true", default=None)
+    train.add_argument("--overwrite", action="store_true", default=None)
+    train.add_argument("--seed", type=int)
+    train.add_argument("--precision", choices=("fp32", "bf16"))
+    train.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+
+    text = "translate --src and print sacreBLEU against --ref as JSON"
+    score = actions.add_parser("score", help=text, description=text)
+    score.set_defaults(func=cmd_translate_score)
+    score.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    score.add_argument("--model", required=True, help="translation model directory")
+    score.add_argument("--src", required=True, help="source sentences, one a line")
+    score.add_argument("--ref", required=True, help="reference translations, one a line")
+    score.add_argument(
+        "--tokenize", default="13a", help="sacreBLEU tokenizer (13a; zh for Chinese)"
+    )
+    _add_decoding_flags(score)
 
 
 # ------------------------------------------------------------------------------- parser
@@ -336,6 +526,18 @@ def add_training_flags(sub: argparse.ArgumentParser, lr_default: str, warmup_def
     sub.add_argument("--seed", type=int)
     sub.add_argument("--precision", choices=("fp32", "bf16"))
     sub.add_argument("--cache-dir", help="where tokenized corpora are cached")
+
+
+def _add_data_flags(sub: argparse.ArgumentParser) -> None:
+    """How a task file is read (finetune, evaluate, predict; the latter two default to training's)."""
+    sub.add_argument(
+        "--columns", help="names of a headerless table's columns, comma-separated (a,b,label)"
+    )
+    sub.add_argument("--text-column", help="table column of the text (default 'text')")
+    sub.add_argument("--text-pair-column", help="table column of the second text of a pair")
+    sub.add_argument("--label-column", help="table column of the label (default 'label')")
+    sub.add_argument("--tag-column", type=int, help="ner: CoNLL column of the tag (default -1)")
+    sub.add_argument("--max-length", type=int, help="tokens per input (default 128; qa 384)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -410,6 +612,56 @@ def build_parser() -> argparse.ArgumentParser:
         "--alpha-cos", type=float, help="weight of the cosine term (default 1; 0 if widths differ)"
     )
 
+    tasks = ("classify", "regress", "ner", "qa")
+    sub = command("finetune", cmd_finetune, "fine-tune BERT on classify/regress/ner/qa data")
+    sub.add_argument("--config", help="TOML or YAML file with any of these options")
+    sub.add_argument("--task", required=True, choices=tasks)
+    sub.add_argument("--model", help="checkpoint to start from (attnlab or HF BERT)")
+    sub.add_argument("--train", help="training file: .tsv/.csv/.jsonl, CoNLL, SQuAD .json")
+    sub.add_argument("--dev", help="dev file: scored each epoch, the best model is kept")
+    sub.add_argument("--out", help="output directory (an HF-loadable fine-tuned checkpoint)")
+    sub.add_argument("--epochs", type=int, help="passes over --train (default 3)")
+    sub.add_argument("--steps", type=int, help="optimiser steps (overrides --epochs)")
+    sub.add_argument("--batch-size", type=int, help="examples per step (default 32)")
+    sub.add_argument("--lr", type=float, help="peak learning rate (default 3e-5)")
+    sub.add_argument("--warmup-ratio", type=float, help="warm-up share of steps (default 0.1)")
+    sub.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0.01)")
+    sub.add_argument("--eval-every", type=int, help="steps between dev scores (default: epoch)")
+    sub.add_argument("--best-metric", help="dev metric that picks the kept model")
+    sub.add_argument("--new-head", action="store_true", default=None,
+                     help="replace a fine-tuned --model's head (other task or labels)")  # fmt: skip
+    sub.add_argument("--doc-stride", type=int, help="qa: overlap of passage windows (128)")
+    sub.add_argument("--max-answer-length", type=int, help="qa: longest answer in tokens (30)")
+    sub.add_argument("--language", choices=("auto", "en", "zh"), help="qa: scoring rule")
+    sub.add_argument("--save-every", type=int)
+    sub.add_argument("--keep-last", type=int)
+    sub.add_argument("--log-every", type=int)
+    sub.add_argument("--max-seconds", type=float, help="stop training after this long")
+    sub.add_argument("--resume", action="store_true", default=None)
+    sub.add_argument("--overwrite", action="store_true", default=None)
+    sub.add_argument("--seed", type=int)
+    sub.add_argument("--precision", choices=("fp32", "bf16"))
+    sub.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    _add_data_flags(sub)
+
+    sub = command("evaluate", cmd_evaluate, "score a fine-tuned model on a labelled file")
+    sub.add_argument("--model", required=True, help="fine-tuned checkpoint directory")
+    sub.add_argument("--data", required=True, help="labelled file in the task's format")
+    sub.add_argument("--task", choices=tasks, help="must match the model's (default: its own)")
+    sub.add_argument("--batch-size", type=int, default=64)
+    _add_data_flags(sub)
+
+    sub = command("predict", cmd_predict, "write a fine-tuned model's predictions for a file")
+    sub.add_argument("--model", required=True, help="fine-tuned checkpoint directory")
+    sub.add_argument("--input", required=True, help="file in the task's format (labels unused)")
+    sub.add_argument("--output", required=True, help="JSONL, CoNLL (ner) or SQuAD JSON (qa)")
+    sub.add_argument("--task", choices=tasks, help="must match the model's (default: its own)")
+    sub.add_argument("--batch-size", type=int, default=64)
+    sub.add_argument("--overwrite", action="store_true")
+    _add_data_flags(sub)
+
+    _add_translate_commands(commands)
+
     bench = commands.add_parser("bench", help="speed measurements")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
     sub = bench_commands.add_parser("pretrain", help="time pretraining steps on synthetic data")
@@ -423,12 +675,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     tok = commands.add_parser("tokenizer", help="tokenizer tools")
     tok_commands = tok.add_subparsers(dest="tokenizer_command", required=True, parser_class=_Parser)
-    sub = tok_commands.add_parser("train", help="train a WordPiece vocabulary")
+    sub = tok_commands.add_parser("train", help="train a WordPiece or BPE vocabulary")
     sub.set_defaults(func=cmd_tokenizer_train)
     sub.add_argument("--threads", type=int)
-    sub.add_argument("--corpus", nargs="+", required=True, help="UTF-8 text files (.gz ok)")
-    sub.add_argument("--vocab-size", type=int, default=30522)
-    sub.add_argument("--cased", action="store_true", help="keep case and accents")
+    sub.add_argument("files", nargs="*", metavar="FILES", help="UTF-8 text files (.gz ok)")
+    sub.add_argument("--corpus", nargs="+", help="more UTF-8 text files (.gz ok)")
+    sub.add_argument(
+        "--type",
+        choices=("wordpiece", "bpe"),
+        default="wordpiece",
+        help="wordpiece (BERT) or bpe (joint translation vocabulary; TSV lines allowed)",
+    )
+    sub.add_argument("--vocab-size", type=int, help="default 30522 (wordpiece), 8000 (bpe)")
+    sub.add_argument("--cased", action="store_true", help="wordpiece: keep case and accents")
     sub.add_argument("--out", required=True)
     sub.add_argument("--overwrite", action="store_true")
     return parser

@@ -370,3 +370,174 @@ def save_bert(
 def describe(model: nn.Module) -> dict[str, Any]:
     """Config and parameter count as a JSON-ready dict."""
     return {"config": model.config.to_dict(), "parameters": count_parameters(model)}
+
+
+# ---------------------------------------------------------------------------- task heads
+
+# attnlab task -> the HF class whose checkpoint layout (and config.json) a fine-tuned model has
+TASK_ARCHITECTURES = {
+    "classify": "BertForSequenceClassification",
+    "regress": "BertForSequenceClassification",
+    "ner": "BertForTokenClassification",
+    "qa": "BertForQuestionAnswering",
+}
+_HEAD_PREFIXES = {"classify": "classifier.", "regress": "classifier.", "ner": "classifier."}
+
+
+def _read_config_json(path: Path) -> dict[str, Any]:
+    read_config(path)  # every way config.json can be wrong, as one-line errors
+    return json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+
+
+def checkpoint_task(path: str | Path) -> str | None:
+    """The task a checkpoint's head was trained for (classify/regress/ner/qa), None for an encoder."""
+    data = _read_config_json(Path(path))
+    architectures = data.get("architectures") or []
+    arch = architectures[0] if isinstance(architectures, list) and architectures else None
+    if arch == "BertForTokenClassification":
+        return "ner"
+    if arch == "BertForQuestionAnswering":
+        return "qa"
+    if arch == "BertForSequenceClassification":
+        # HF infers regression from a single label when problem_type is unset.
+        problem = data.get("problem_type")
+        if problem is None:
+            problem = "regression" if len(data.get("id2label") or {}) == 1 else "classification"
+        return "regress" if problem == "regression" else "classify"
+    return None
+
+
+def checkpoint_labels(path: str | Path) -> list[str] | None:
+    """The label names in config.json's id2label, in id order (None when there are none)."""
+    id2label = _read_config_json(Path(path)).get("id2label")
+    if not isinstance(id2label, dict) or not id2label:
+        return None
+    try:
+        ids = sorted(int(i) for i in id2label)
+    except ValueError:
+        raise AttnlabError(f"{path}/config.json: id2label keys must be integers") from None
+    if ids != list(range(len(ids))):
+        raise AttnlabError(f"{path}/config.json: id2label ids must be 0..{len(ids) - 1}")
+    by_id = {int(i): str(name) for i, name in id2label.items()}
+    return [by_id[i] for i in ids]
+
+
+def build_task_model(config: BertConfig, task: str, num_labels: int = 2) -> nn.Module:
+    """A freshly initialised task model (encoder and head) for task."""
+    from attnlab.models.heads import (
+        BertForQuestionAnswering,
+        BertForSequenceClassification,
+        BertForTokenClassification,
+    )
+
+    if task == "classify":
+        return BertForSequenceClassification(config, num_labels)
+    if task == "regress":
+        return BertForSequenceClassification(config, 1, problem_type="regression")
+    if task == "ner":
+        return BertForTokenClassification(config, num_labels)
+    if task == "qa":
+        return BertForQuestionAnswering(config)
+    raise AttnlabError(f"unknown task {task!r} (choose from {', '.join(TASK_ARCHITECTURES)})")
+
+
+def _head_state(state: dict[str, Tensor], task: str) -> dict[str, Tensor]:
+    prefix = _HEAD_PREFIXES.get(task, "qa_outputs.")
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def load_task_model(
+    path: str | Path, task: str, num_labels: int | None = None, new_head: bool = False
+) -> tuple[nn.Module, list[str]]:
+    """A task model from an HF or attnlab checkpoint dir, and the names of freshly initialised parts.
+
+    A fine-tuned checkpoint of the same task loads whole; an encoder (or pretraining)
+    checkpoint, or new_head=True, gives the encoder's weights and a new random head
+    (plus a new pooler for classification when the checkpoint has none, as HF does).
+    A head of another task, or with another number of labels, is an error unless new_head.
+    """
+    path = Path(path)
+    config = read_config(path)
+    saved = checkpoint_task(path)
+    state = read_weights(path)
+    head = _head_state(state, task)
+    if saved is not None and saved != task and not new_head:
+        raise AttnlabError(
+            f"{path} holds a {TASK_ARCHITECTURES[saved]} model for task {saved!r}, "
+            f"which does not fit task {task!r}"
+        )
+    keep_head = bool(head) and saved == task and not new_head
+    if num_labels is None:
+        if not keep_head and task in ("classify", "ner"):
+            raise AttnlabError(f"{path} has no {task} head: the number of labels is unknown")
+        num_labels = head["weight"].shape[0] if keep_head and task != "qa" else 1
+    model = build_task_model(config, task, num_labels)
+    if keep_head and head["weight"].shape[0] != model.state_dict()[_head_key(task)].shape[0]:
+        raise AttnlabError(
+            f"the head in {path} has {head['weight'].shape[0]} outputs, this task needs "
+            f"{model.state_dict()[_head_key(task)].shape[0]}"
+        )
+    has_pooler = any(k.endswith("pooler.dense.weight") for k in state)
+    encoder = BertModel(config, add_pooler=has_pooler)
+    _load_checked(encoder, bert_state_from_hf(state, encoder), path)
+    model.bert.load_state_dict(encoder.state_dict(), strict=False)  # a pooler no head reads drops
+    fresh = []
+    if model.bert.pooler is not None and not has_pooler:
+        fresh.append("pooler")
+    head_module = model.qa_outputs if task == "qa" else model.classifier
+    if keep_head:
+        _load_checked(head_module, head, path)
+    else:
+        fresh.append(_head_key(task).split(".")[0])
+    return model.eval(), fresh
+
+
+def _head_key(task: str) -> str:
+    return "qa_outputs.weight" if task == "qa" else "classifier.weight"
+
+
+def task_state_to_hf(model: nn.Module) -> dict[str, Tensor]:
+    """HF-named tensors of a task model: 'bert.'-prefixed encoder, then the head as named."""
+    state = {f"bert.{k}": v for k, v in bert_state_to_hf(model.bert).items()}
+    for name, tensor in model.state_dict().items():
+        if not name.startswith("bert."):
+            state[name] = tensor.detach().contiguous()
+    return state
+
+
+def save_task_model(
+    model: nn.Module,
+    out: str | Path,
+    tokenizer: Any | None = None,
+    id2label: list[str] | None = None,
+    extra_files: dict[str, str] | None = None,
+    overwrite: bool = False,
+) -> None:
+    """Write a task model in HF layout (architectures, id2label/label2id, problem_type) to out.
+
+    HF transformers' AutoModelFor* loads the result as is; extra_files (name -> text) are
+    written beside it in the same atomic directory swap.
+    """
+    from attnlab.models.heads import BertForSequenceClassification
+
+    arch = type(model).__name__
+    data = config_to_hf(model.config, arch)
+    if hasattr(model, "num_labels"):
+        names = id2label or [f"LABEL_{i}" for i in range(model.num_labels)]
+        if len(names) != model.num_labels:
+            raise AttnlabError(f"{len(names)} label names for a head of {model.num_labels}")
+        data["id2label"] = {str(i): name for i, name in enumerate(names)}
+        data["label2id"] = {name: i for i, name in enumerate(names)}
+    if isinstance(model, BertForSequenceClassification):
+        data["problem_type"] = model.problem_type
+    with staged_dir(Path(out), overwrite) as stage:
+        write_text_atomic(stage / "config.json", json.dumps(data, indent=2, ensure_ascii=False))
+        state = task_state_to_hf(model)
+        write_with_atomic(
+            stage / "model.safetensors",
+            lambda p: save_file(state, str(p), metadata={"format": "pt"}),
+        )
+        if tokenizer is not None:
+            tokenizer.save(stage)
+        for name, text in (extra_files or {}).items():
+            write_text_atomic(stage / name, text)

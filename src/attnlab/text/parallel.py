@@ -1,0 +1,271 @@
+"""Parallel text for translation: reading sentence pairs, and batches formed by token count.
+
+Vaswani et al. 2017, §5.1: "Sentence pairs were batched together by approximate sequence
+length. Each training batch contained a set of sentence pairs containing approximately 25000
+source tokens and 25000 target tokens." Here a batch holds as many pairs as fit a budget of
+padded tokens, ``n_pairs * max(source length, target length)``, after sorting by length so
+little of the budget is padding. §3 / figure 1 ("outputs (shifted right)"): the decoder reads
+``<sos> y1 .. y_{m-1} y_m`` and is trained to predict ``y1 .. y_m <eos>``.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnlab.errors import AttnlabError
+
+Batch = dict[str, Any]  # keyword arguments of the model: src_ids, tgt_in, tgt_out
+
+
+@dataclass
+class ParallelText:
+    """Aligned source and target sentences; pairs with an empty side were skipped."""
+
+    src: list[str]
+    tgt: list[str]
+    skipped: int = 0  # pairs dropped because one side (or both) was empty
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+def read_text_lines(path: Path) -> list[str]:
+    """Lines of a UTF-8 text file (.gz allowed), without line endings; errors name the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise AttnlabError(f"file {path} not found")
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as stream:
+            data = stream.read()
+    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
+        raise AttnlabError(f"cannot read {path}: {error}") from error
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    out = []
+    for number, raw in enumerate(lines, 1):
+        try:
+            out.append(raw.decode("utf-8").rstrip("\r"))
+        except UnicodeDecodeError:
+            raise AttnlabError(f"{path}, line {number}: not valid UTF-8") from None
+    return out
+
+
+def read_parallel(paths: Sequence[str | Path]) -> ParallelText:
+    """Sentence pairs from two aligned files (source, target) or one ``src<TAB>tgt`` file."""
+    paths = [Path(p) for p in paths]
+    if len(paths) == 2:
+        src, tgt = read_text_lines(paths[0]), read_text_lines(paths[1])
+        if len(src) != len(tgt):
+            raise AttnlabError(
+                f"source {paths[0]} has {len(src)} lines but target {paths[1]} has {len(tgt)}: "
+                "line i of one must be the translation of line i of the other"
+            )
+    elif len(paths) == 1:
+        src, tgt = [], []
+        for number, line in enumerate(read_text_lines(paths[0]), 1):
+            if not line.strip():
+                src.append("")  # a blank line: an empty pair, skipped below like the others
+                tgt.append("")
+                continue
+            parts = line.split("\t")
+            if len(parts) != 2:
+                raise AttnlabError(
+                    f"{paths[0]}, line {number}: expected 'source<TAB>target', found "
+                    f"{len(parts) - 1} TABs"
+                )
+            src.append(parts[0])
+            tgt.append(parts[1])
+    else:
+        raise AttnlabError(
+            f"expected a source and a target file, or one TSV file; got {len(paths)} files"
+        )
+    pairs = ParallelText([], [])
+    for s, t in zip(src, tgt, strict=True):
+        s, t = s.strip(), t.strip()
+        if not s or not t:
+            pairs.skipped += 1
+            continue
+        pairs.src.append(s)
+        pairs.tgt.append(t)
+    return pairs
+
+
+@dataclass
+class EncodedPairs:
+    """Token ids of sentence pairs: sources end with <eos>; targets are bare ``y1 .. y_m``."""
+
+    src: list[list[int]]
+    tgt: list[list[int]]
+    truncated: int = 0  # pairs cut to fit max_positions
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+def encode_source(ids: list[int], eos_id: int, max_positions: int) -> tuple[list[int], bool]:
+    """Source ids + <eos>, cut to max_positions; (ids, whether it was cut)."""
+    # <eos> closes the source as in the target: the encoder always sees where a sentence ends.
+    cut = len(ids) > max_positions - 1
+    return [*ids[: max_positions - 1], eos_id], cut
+
+
+def encode_pairs(tokenizer: Any, pairs: ParallelText, max_positions: int) -> EncodedPairs:
+    """Tokenize both sides; sources and targets longer than the model allows are truncated."""
+    src = tokenizer.encode_batch(pairs.src)
+    tgt = tokenizer.encode_batch(pairs.tgt)
+    out = EncodedPairs([], [])
+    for s, t in zip(src, tgt, strict=True):
+        s, cut = encode_source(s, tokenizer.eos_id, max_positions)
+        # The decoder reads <sos> + y (or predicts y + <eos>): m + 1 positions.
+        cut = cut or len(t) > max_positions - 1
+        out.src.append(s)
+        out.tgt.append(t[: max_positions - 1])
+        out.truncated += cut
+    return out
+
+
+def pad_batch(sequences: Sequence[list[int]], pad_id: int) -> Tensor:
+    """(batch, longest) long tensor, right-padded with pad_id."""
+    out = torch.full((len(sequences), max(len(s) for s in sequences)), pad_id, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        out[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+    return out
+
+
+def collate(
+    src: Sequence[list[int]], tgt: Sequence[list[int]], pad_id: int, sos_id: int, eos_id: int
+) -> Batch:
+    """Model input of pairs: src_ids, tgt_in = <sos> y (shifted right), tgt_out = y <eos>."""
+    return {
+        "src_ids": pad_batch(src, pad_id),
+        "tgt_in": pad_batch([[sos_id, *t] for t in tgt], pad_id),
+        "tgt_out": pad_batch([[*t, eos_id] for t in tgt], pad_id),
+    }
+
+
+class TokenBatches:
+    """The translation BatchSource: length-sorted batches of at most max_tokens padded tokens.
+
+    Each epoch: a seeded permutation breaks ties, pairs are sorted by length (stable), cut in
+    order into batches whose padded size ``n_pairs * max(len(src), len(tgt) + 1)`` stays
+    within ``max_tokens``, and the batch order is shuffled; every pair is in exactly one batch.
+    The order depends on (seed, epoch) alone, so a resumed run rebuilds the same epoch and
+    skips the batches already read. Under torch.distributed, global step s hands batch
+    ``s * W + r`` to rank r (the epoch's last ``< W`` batches are left out, so every rank
+    takes the same number of steps). ``shuffle=False`` keeps the sorted order (evaluation).
+    """
+
+    def __init__(
+        self,
+        pairs: EncodedPairs,
+        max_tokens: int,
+        pad_id: int,
+        sos_id: int,
+        eos_id: int,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        if len(pairs) == 0:
+            raise AttnlabError("no sentence pairs to train on")
+        self.pairs = pairs
+        self.sizes = [max(len(s), len(t) + 1) for s, t in zip(pairs.src, pairs.tgt, strict=True)]
+        longest = max(self.sizes)
+        if max_tokens < longest:
+            raise AttnlabError(
+                f"--max-tokens {max_tokens} is below the longest sentence pair ({longest} "
+                "tokens): raise it or lower the model's max_positions"
+            )
+        self.max_tokens = max_tokens
+        self.pad_id, self.sos_id, self.eos_id = pad_id, sos_id, eos_id
+        self.seed, self.shuffle = seed, shuffle
+        self.rank, self.world_size = 0, 1
+        self.epoch, self.batch_index = 0, 0  # the next global batch to hand out
+        self._cached: tuple[int, list[list[int]]] | None = None
+
+    # ---- the batches of an epoch ---------------------------------------------------------
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """Pair indices of each batch of an epoch, in the order they are read."""
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
+        # Its own generator: the order depends on (seed, epoch) only, not on dropout's draws.
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        n = len(self.sizes)
+        order = torch.randperm(n, generator=generator).tolist() if self.shuffle else range(n)
+        order = sorted(order, key=self.sizes.__getitem__)
+        batches: list[list[int]] = []
+        batch: list[int] = []
+        width = 0
+        for index in order:
+            size = self.sizes[index]
+            if batch and (len(batch) + 1) * max(width, size) > self.max_tokens:
+                batches.append(batch)
+                batch, width = [], 0
+            batch.append(index)
+            width = max(width, size)
+        batches.append(batch)
+        if self.shuffle:
+            batches = [batches[i] for i in torch.randperm(len(batches), generator=generator)]
+        self._cached = (epoch, batches)
+        return batches
+
+    def batches_per_epoch(self, epoch: int = 0) -> int:
+        """Global steps in an epoch (one batch per rank each)."""
+        return len(self.epoch_batches(epoch)) // self.world_size
+
+    def collate(self, indices: Sequence[int]) -> Batch:
+        """The model input of the pairs at these indices."""
+        return collate(
+            [self.pairs.src[i] for i in indices],
+            [self.pairs.tgt[i] for i in indices],
+            self.pad_id,
+            self.sos_id,
+            self.eos_id,
+        )
+
+    # ---- BatchSource ---------------------------------------------------------------------
+
+    def set_rank(self, rank: int, world_size: int) -> None:
+        """Read only this rank's batch of each global step."""
+        if len(self.epoch_batches(0)) < world_size:
+            raise AttnlabError(
+                f"the data makes {len(self.epoch_batches(0))} batches per epoch, fewer than the "
+                f"{world_size} processes: lower --max-tokens"
+            )
+        self.rank, self.world_size = rank, world_size
+
+    def __iter__(self) -> Iterator[Batch]:
+        """This rank's batches from the current position, forever."""
+        while True:
+            batches = self.epoch_batches(self.epoch)
+            while self.batch_index < len(batches) // self.world_size:
+                indices = batches[self.batch_index * self.world_size + self.rank]
+                self.batch_index += 1  # before yielding: state_dict() names the next batch
+                yield self.collate(indices)
+            self.epoch, self.batch_index = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position: epoch and index of the next global batch."""
+        return {"epoch": self.epoch, "batch_index": self.batch_index}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a position given by state_dict()."""
+        self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
+
+    def tokens_in(self, batch: Batch) -> int:
+        """Target tokens of a batch (<eos> included, padding not): what tokens/s counts."""
+        return int((batch["tgt_out"] != self.pad_id).sum())
+
+    def once(self) -> Iterator[Batch]:
+        """Every batch of epoch 0 once, in order (for evaluation; no position is kept)."""
+        for indices in self.epoch_batches(0):
+            yield self.collate(indices)

@@ -1,0 +1,462 @@
+"""`attnlab finetune / evaluate / predict` end to end on tiny fixtures, checked independently.
+
+A bert-tiny-sized model (2 layers, width 32) with MiniLM's real vocabulary keeps every run
+to about a second. Metrics printed by `attnlab evaluate` are recomputed from HF
+transformers' own forward pass of the saved checkpoint (and scikit-learn / SciPy / seqeval),
+so the recipe, the export and the scoring are all checked against outside references.
+Every bad input must give exit 2, one `attnlab: error:` line, no traceback, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.cli import main
+from attnlab.config import BertConfig
+from attnlab.interop.hf import save_bert
+from attnlab.models.bert import BertModel
+from attnlab.tasks.finetune import FinetuneOptions, LengthGroupedBatches, collate, finetune
+from attnlab.text.tokenizer import BertTokenizer
+
+DATA = Path(__file__).parent / "data" / "finetune"
+FAST = ("--threads", "1", "--lr", "2e-3", "--no-progress", "--log-every", "1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, minilm_dir) -> Path:
+    """A random bert-tiny-sized encoder with MiniLM's WordPiece vocabulary, in HF layout."""
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    tokenizer = BertTokenizer.from_dir(minilm_dir)
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size, d_model=32, n_layers=2, n_heads=2, d_ff=64,
+        max_positions=128,
+    )  # fmt: skip
+    save_bert(BertModel(config), out, tokenizer)
+    return out
+
+
+def run(capsys, *argv: object) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of attnlab.cli.main in-process."""
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_error(result: tuple[int, str, str], *fragments: str) -> None:
+    code, out, err = result
+    assert code == 2, err
+    assert out == "" and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnlab: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def losses(out: Path) -> list[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in rows if not row.get("eval")]
+
+
+def eval_rows(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if row.get("eval")]
+
+
+# ---------------------------------------------------------------------------- batching
+
+
+def test_length_grouped_batches_pad_little_and_resume_exactly():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 60, (500,), generator=g).tolist()
+    rows = [{"input_ids": [7] * n, "token_type_ids": [0] * n, "labels": i % 2} for i, n in
+            enumerate(lengths)]  # fmt: skip
+    source = LengthGroupedBatches(rows, batch_size=16, pad_id=0, seed=3, chunk_batches=8)
+    assert source.batches_per_epoch == 31
+    epoch0 = source.epoch_batches(0)
+    seen = torch.cat(epoch0)
+    assert len(seen) == 31 * 16 == len(set(seen.tolist()))  # each row at most once per epoch
+    assert not torch.equal(torch.cat(source.epoch_batches(1)), seen)  # reshuffled per epoch
+    # Padding: grouped batches waste far less than random batches of the same rows.
+    lens = torch.tensor(lengths)
+
+    def waste(batches):
+        return sum((lens[b].max() * len(b) - lens[b].sum()).item() for b in batches)
+
+    random_batches = torch.randperm(500, generator=g)[: 31 * 16].split(16)
+    assert waste(epoch0) < 0.25 * waste(random_batches)
+    # Batch order is shuffled: not sorted by length across the epoch.
+    longest = [lens[b].max().item() for b in epoch0]
+    assert longest != sorted(longest, reverse=True)
+    # Resume: a new source put at the saved position yields exactly the same next batches.
+    it = iter(source)
+    for _ in range(40):  # into the second epoch
+        next(it)
+    state = source.state_dict()
+    expected = [next(it) for _ in range(5)]
+    resumed = LengthGroupedBatches(rows, batch_size=16, pad_id=0, seed=3, chunk_batches=8)
+    resumed.load_state_dict(state)
+    again = iter(resumed)
+    for a in expected:
+        b = next(again)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    # Two ranks read the two halves of each global batch.
+    ranks = []
+    for rank in (0, 1):
+        shard = LengthGroupedBatches(rows, batch_size=16, pad_id=0, seed=3, chunk_batches=8)
+        shard.set_rank(rank, 2)
+        ranks.append(next(iter(shard)))
+    whole = next(iter(LengthGroupedBatches(rows, 16, 0, seed=3, chunk_batches=8)))
+    assert sorted(whole["attention_mask"].sum(1).tolist()) == sorted(
+        ranks[0]["attention_mask"].sum(1).tolist() + ranks[1]["attention_mask"].sum(1).tolist()
+    )
+
+
+def test_collate_pads_inputs_and_token_labels():
+    rows = [
+        {"input_ids": [2, 5, 3], "token_type_ids": [0, 0, 0], "labels": [-100, 1, -100]},
+        {"input_ids": [2, 3], "token_type_ids": [0, 0], "labels": [-100, -100]},
+    ]
+    batch = collate(rows, pad_id=0)
+    assert batch["input_ids"].tolist() == [[2, 5, 3], [2, 3, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch["labels"].tolist() == [[-100, 1, -100], [-100, -100, -100]]
+    scores = collate([{"input_ids": [2], "token_type_ids": [0], "labels": 0.5}], pad_id=0)
+    assert scores["labels"].dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------- every task trains
+
+TASK_FILES = {
+    "classify": (DATA / "sentiment.tsv", {"text_column": "sentence"}),
+    "regress": (
+        DATA / "sts.csv",
+        {"text_column": "sentence1", "text_pair_column": "sentence2", "label_column": "score"},
+    ),
+    "ner": (DATA / "ner.conll", {}),
+    "qa": (DATA / "squad.json", {"max_length": 48, "doc_stride": 16}),  # 2-3 windows
+}
+
+
+@pytest.mark.parametrize("task", list(TASK_FILES))
+def test_each_task_loss_falls(task, tiny_dir, minilm_dir, tmp_path):
+    train, extra = TASK_FILES[task][0], dict(TASK_FILES[task][1])
+    # A random tiny encoder barely separates sentences through [CLS] in 24 steps; the real
+    # MiniLM (at short length) learns the sentiment fixture at BERT's learning rates.
+    model, lr = (minilm_dir, 1e-4) if task == "classify" else (tiny_dir, 3e-3)
+    opts = FinetuneOptions(
+        task=task, model=model, train=train, out=tmp_path / "out", steps=24, batch_size=4,
+        lr=lr, log_every=1, progress=False, max_length=extra.pop("max_length", 32), **extra,
+    )  # fmt: skip
+    summary = finetune(opts)
+    curve = losses(tmp_path / "out")
+    assert len(curve) == 24
+    assert sum(curve[-4:]) / 4 < 0.8 * sum(curve[:4]) / 4, curve
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["kept"] == "last step" and results["final"]["step"] == 24  # no --dev
+    assert summary["results"] == results
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert not (tmp_path / "out" / "best").exists()  # published
+
+
+# ---------------------------------------------------------------------------- CLI end to end
+
+
+def hf_logits(model_dir: Path, texts, pairs=None):
+    """Logits of HF transformers' own model and tokenizer on the saved checkpoint."""
+    from transformers import AutoModelForSequenceClassification, BertTokenizerFast
+
+    tok = BertTokenizerFast.from_pretrained(str(model_dir))
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir)).eval()
+    enc = tok(texts, pairs, padding=True, truncation=True, max_length=128, return_tensors="pt")
+    with torch.no_grad():
+        return model(**enc).logits, model.config
+
+
+def test_classify_end_to_end_keeps_the_best_dev_model(tiny_dir, tmp_path, capsys):
+    from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
+
+    out = tmp_path / "sst"
+    code, stdout, err = run(
+        capsys, "finetune", "--task", "classify", "--model", tiny_dir, "--train",
+        DATA / "sentiment.tsv", "--dev", DATA / "sentiment_dev.tsv", "--text-column",
+        "sentence", "--out", out, "--epochs", "4", "--batch-size", "4", "--eval-every", "2",
+        *FAST,
+    )  # fmt: skip
+    assert code == 0, err
+    results = json.loads(stdout)
+    assert "new randomly initialised classifier" in err
+    # The kept model is the first evaluation with the highest dev accuracy.
+    rows = eval_rows(out)
+    assert len(rows) == 12  # every 2 of 24 steps
+    best_row = max(rows, key=lambda r: r["accuracy"])
+    assert results["best"]["step"] == best_row["step"]
+    assert results["best"]["epoch"] == pytest.approx(best_row["step"] / 6, abs=1e-3)
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["best"]["accuracy"] == best_row["accuracy"]
+
+    # evaluate: one JSON line, the saved columns are the defaults, values as HF computes them.
+    code, stdout, err = run(
+        capsys, "evaluate", "--model", out, "--data", DATA / "sentiment_dev.tsv"
+    )
+    assert code == 0, err
+    assert len(stdout.splitlines()) == 1
+    metrics = json.loads(stdout)
+    assert set(metrics) == {"accuracy", "f1", "mcc"}
+    dev = [line.split("\t") for line in (DATA / "sentiment_dev.tsv").read_text().splitlines()[1:]]
+    logits, config = hf_logits(out, [t for t, _ in dev])
+    assert config.id2label == {0: "neg", 1: "pos"}
+    gold = [config.label2id[label] for _, label in dev]
+    predicted = logits.argmax(-1).tolist()
+    assert metrics["accuracy"] == pytest.approx(accuracy_score(gold, predicted))
+    assert metrics["f1"] == pytest.approx(f1_score(gold, predicted, average="macro"))
+    assert metrics["mcc"] == pytest.approx(matthews_corrcoef(gold, predicted))
+    assert metrics["accuracy"] == pytest.approx(best_row["accuracy"])  # the best-dev model
+
+    # predict: JSONL rows with the label and probabilities HF's logits give.
+    code, _, err = run(
+        capsys, "predict", "--model", out, "--input", DATA / "sentiment_dev.tsv", "--output",
+        tmp_path / "pred.jsonl",
+    )  # fmt: skip
+    assert code == 0, err
+    rows = [json.loads(line) for line in (tmp_path / "pred.jsonl").read_text().splitlines()]
+    probs = torch.softmax(logits, -1)
+    for row, p, (text, _) in zip(rows, probs, dev, strict=True):
+        assert row["text"] == text
+        assert row["label"] == config.id2label[int(p.argmax())]
+        assert row["probabilities"]["pos"] == pytest.approx(p[1].item(), abs=1e-5)
+    # predict refuses to overwrite its output.
+    assert_one_error(
+        run(capsys, "predict", "--model", out, "--input", DATA / "sentiment_dev.tsv",
+            "--output", tmp_path / "pred.jsonl"),
+        "exists",
+    )  # fmt: skip
+
+
+def test_regress_pairs_end_to_end(tiny_dir, tmp_path, capsys):
+    from scipy.stats import pearsonr, spearmanr
+
+    out = tmp_path / "sts"
+    code, _, err = run(
+        capsys, "finetune", "--task", "regress", "--model", tiny_dir, "--train", DATA / "sts.csv",
+        "--dev", DATA / "sts.csv", "--text-column", "sentence1", "--text-pair-column",
+        "sentence2", "--label-column", "score", "--out", out, "--epochs", "3",
+        "--batch-size", "4", *FAST,
+    )  # fmt: skip
+    assert code == 0, err
+    code, stdout, err = run(capsys, "evaluate", "--model", out, "--data", DATA / "sts.csv")
+    assert code == 0, err
+    metrics = json.loads(stdout)
+    import csv
+
+    rows = list(csv.DictReader((DATA / "sts.csv").open()))
+    logits, config = hf_logits(out, [r["sentence1"] for r in rows], [r["sentence2"] for r in rows])
+    assert config.problem_type == "regression" and config.num_labels == 1
+    gold = [float(r["score"]) for r in rows]
+    assert metrics["pearson"] == pytest.approx(pearsonr(logits[:, 0], gold)[0], abs=1e-5)
+    assert metrics["spearman"] == pytest.approx(spearmanr(logits[:, 0], gold)[0], abs=1e-5)
+    code, _, err = run(capsys, "predict", "--model", out, "--input", DATA / "sts.csv",
+                       "--output", tmp_path / "p.jsonl")  # fmt: skip
+    assert code == 0, err
+    scores = [json.loads(line)["score"] for line in (tmp_path / "p.jsonl").open()]
+    assert scores == pytest.approx(logits[:, 0].tolist(), abs=1e-5)
+
+
+def test_a_headerless_pair_table_is_read_with_columns(tiny_dir, tmp_path, capsys):
+    """AFQMC / LCQMC style: sentence<TAB>sentence<TAB>label with no header; evaluate reuses it."""
+    rows = [line.split("\t") for line in (DATA / "sentiment.tsv").read_text().splitlines()[1:]]
+    table = "".join(f"{r[0]}\t{r[0][::-1]}\t{r[1]}\n" for r in rows)
+    train = write(tmp_path / "pairs.tsv", table)
+    out = tmp_path / "pairs"
+    code, _, err = run(
+        capsys, "finetune", "--task", "classify", "--model", tiny_dir, "--train", train,
+        "--dev", train, "--columns", "a,b,label", "--text-column", "a", "--text-pair-column",
+        "b", "--out", out, "--steps", "2", "--batch-size", "4", *FAST,
+    )  # fmt: skip
+    assert code == 0, err
+    code, stdout, err = run(capsys, "evaluate", "--model", out, "--data", train)
+    assert code == 0, err
+    assert 0 <= json.loads(stdout)["accuracy"] <= 1
+    # Without --columns the first row is taken as the header, and its names are not "a"/"b".
+    code, _, err = run(
+        capsys, *finetune_args(tiny_dir, train, tmp_path / "x", "--text-column", "a")
+    )
+    assert code == 2 and "column" in err and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("fixture", ["ner.conll", "ner_zh.conll"])
+def test_ner_end_to_end(fixture, tiny_dir, tmp_path, capsys):
+    from seqeval.metrics import f1_score
+    from transformers import AutoModelForTokenClassification, BertTokenizerFast
+
+    from attnlab.text.tasks import read_conll
+
+    out = tmp_path / "ner"
+    code, _, err = run(
+        capsys, "finetune", "--task", "ner", "--model", tiny_dir, "--train", DATA / fixture,
+        "--dev", DATA / fixture, "--out", out, "--epochs", "4", "--batch-size", "2", *FAST,
+    )  # fmt: skip
+    assert code == 0, err
+    code, stdout, err = run(capsys, "evaluate", "--model", out, "--data", DATA / fixture)
+    assert code == 0, err
+    metrics = json.loads(stdout)
+    assert set(metrics) == {"precision", "recall", "f1"}
+    # Reference: HF's model and fast tokenizer, each word tagged by its first sub-token.
+    sentences = read_conll(DATA / fixture)
+    tok = BertTokenizerFast.from_pretrained(str(out))
+    model = AutoModelForTokenClassification.from_pretrained(str(out)).eval()
+    predicted = []
+    for sentence in sentences:
+        enc = tok(sentence.words, is_split_into_words=True, return_tensors="pt")
+        with torch.no_grad():
+            ids = model(**enc).logits[0].argmax(-1).tolist()
+        tags, previous = [], None
+        for position, word in enumerate(enc.word_ids()):
+            if word is not None and word != previous:
+                tags.append(model.config.id2label[ids[position]])
+            previous = word
+        predicted.append(tags)
+    gold = [s.tags for s in sentences]
+    assert metrics["f1"] == pytest.approx(f1_score(gold, predicted))
+    code, _, err = run(capsys, "predict", "--model", out, "--input", DATA / fixture,
+                       "--output", tmp_path / "p.conll")  # fmt: skip
+    assert code == 0, err
+    blocks = (tmp_path / "p.conll").read_text().strip().split("\n\n")
+    assert [[line.split()[1] for line in b.splitlines()] for b in blocks] == predicted
+    assert [[line.split()[0] for line in b.splitlines()] for b in blocks] == [
+        s.words for s in sentences
+    ]
+
+
+def test_qa_end_to_end(tiny_dir, tmp_path, capsys):
+    from attnlab.metrics import normalize_answer
+
+    out = tmp_path / "qa"
+    code, _, err = run(
+        capsys, "finetune", "--task", "qa", "--model", tiny_dir, "--train", DATA / "squad.json",
+        "--dev", DATA / "squad.json", "--out", out, "--epochs", "3", "--batch-size", "4",
+        "--max-length", "48", "--doc-stride", "16", *FAST,
+    )  # fmt: skip
+    assert code == 0, err
+    code, stdout, err = run(capsys, "evaluate", "--model", out, "--data", DATA / "squad.json")
+    assert code == 0, err
+    metrics = json.loads(stdout)
+    code, _, err = run(capsys, "predict", "--model", out, "--input", DATA / "squad.json",
+                       "--output", tmp_path / "answers.json")  # fmt: skip
+    assert code == 0, err
+    answers = json.loads((tmp_path / "answers.json").read_text())
+    gold = {
+        qa["id"]: qa["answers"][0]["text"]
+        for article in json.loads((DATA / "squad.json").read_text())["data"]
+        for paragraph in article["paragraphs"]
+        for qa in paragraph["qas"]
+    }
+    assert set(answers) == set(gold)
+    exact = sum(normalize_answer(answers[q]) == normalize_answer(g) for q, g in gold.items())
+    assert metrics["exact_match"] == pytest.approx(100 * exact / len(gold))
+    assert 0 <= metrics["exact_match"] <= metrics["f1"] <= 100
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def finetune_args(tiny_dir: Path, train: Path, out: Path, *extra: object) -> list[object]:
+    return ["finetune", "--task", "classify", "--model", tiny_dir, "--train", train,
+            "--out", out, "--steps", "1", "--batch-size", "2", *FAST, *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "task", "fragment"),
+    [
+        ("nolabel.tsv", "text\tlabel\nok\tpos\nbad\tneg\n", "classify", "no column 'rating'"),
+        ("mixed.tsv", "text\trating\nok\t1\nbad\tneg\n", "classify", "mixed label types"),
+        ("empty.tsv", "", "classify", "empty"),
+        ("header.tsv", "text\trating\n", "classify", "no rows"),
+        ("bad.conll", "John B-PER\nSmith\n", "ner", "line 2"),
+        ("badtag.conll", "John PER\n", "ner", "line 1"),
+    ],
+)
+def test_bad_training_files(name, text, task, fragment, tiny_dir, tmp_path, capsys):
+    train = write(tmp_path / name, text)
+    out = tmp_path / "out"
+    args = finetune_args(tiny_dir, train, out, "--label-column", "rating")
+    args[2] = task
+    assert_one_error(run(capsys, *args), fragment)
+    assert not out.exists()
+
+
+def test_squad_offsets_that_miss_the_context(tiny_dir, tmp_path, capsys):
+    data = json.loads((DATA / "squad.json").read_text())
+    data["data"][0]["paragraphs"][0]["qas"][0]["answers"][0]["answer_start"] += 3
+    train = write(tmp_path / "bad.json", json.dumps(data))
+    out = tmp_path / "out"
+    args = finetune_args(tiny_dir, train, out, "--max-length", "64", "--doc-stride", "16")
+    args[2] = "qa"
+    assert_one_error(run(capsys, *args), "q1", "not at offset")
+    assert not out.exists()
+
+
+def test_out_holding_files_is_refused(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    train = DATA / "sentiment.tsv"
+    args = finetune_args(tiny_dir, train, out, "--text-column", "sentence")
+    assert_one_error(run(capsys, *args), "--overwrite")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert run(capsys, *args, "--overwrite")[0] == 0
+    assert (out / "model.safetensors").is_file()
+
+
+def test_heads_that_do_not_fit(tiny_dir, tmp_path, capsys):
+    classifier = tmp_path / "clf"
+    args = finetune_args(tiny_dir, DATA / "sentiment.tsv", classifier, "--text-column", "sentence")
+    assert run(capsys, *args)[0] == 0
+    # A fine-tuned pos/neg classifier, fine-tuned again on 3-way NLI labels: refused ...
+    nli = ["--text-column", "premise", "--text-pair-column", "hypothesis"]
+    out = tmp_path / "nli"
+    assert_one_error(
+        run(capsys, *finetune_args(classifier, DATA / "nli.jsonl", out, *nli)), "--new-head"
+    )
+    assert not out.exists()
+    # ... unless asked to replace the head.
+    code, _, err = run(capsys, *finetune_args(classifier, DATA / "nli.jsonl", out, *nli,
+                                              "--new-head"))  # fmt: skip
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["id2label"] == {
+        "0": "contradiction", "1": "entailment", "2": "neutral",
+    }  # fmt: skip
+    # Evaluating a classifier as another task; evaluating a plain encoder.
+    data = DATA / "squad.json"
+    assert_one_error(run(capsys, "evaluate", "--model", classifier, "--data", data, "--task",
+                         "qa"), "'classify' model")  # fmt: skip
+    assert_one_error(run(capsys, "evaluate", "--model", tiny_dir, "--data", data), "no fine-tuned")
+    # A label the model never saw is an error naming the file and line.
+    dev = write(tmp_path / "dev.tsv", "sentence\tlabel\ngood\tpos\nmeh\tmaybe\n")
+    assert_one_error(
+        run(capsys, "evaluate", "--model", classifier, "--data", dev), "line 3", "'maybe'"
+    )

@@ -1,0 +1,241 @@
+"""`attnlab translate train | translate | translate score` end to end on a tiny model and data:
+outputs, checkpoint averaging, resume, and every bad input as one `attnlab: error:` line with
+exit code 2 and nothing written."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from attnlab.cli import main
+from attnlab.tasks.translate import average_checkpoints, bundled_pairs, load_translation_model
+
+TINY = """[model_config]
+d_model = 32
+n_heads = 2
+d_ff = 64
+n_encoder_layers = 1
+n_decoder_layers = 1
+max_positions = 32
+"""
+STEPS = 12
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """run(*argv, stdin="") -> (exit code, stdout, stderr) of attnlab.cli.main in-process."""
+
+    def run(*argv: object, stdin: str = "") -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
+        code = main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def assert_one_error(code: int, out: str, err: str, *fragments: str) -> None:
+    assert code == 2, (code, err)
+    assert out == ""
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("attnlab: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """60 training pairs (two files, one pair with an empty side) and 8 validation pairs (TSV)."""
+    root = tmp_path_factory.mktemp("data")
+    pairs = [line.split("\t") for line in bundled_pairs().read_text().splitlines()]
+    train, valid = pairs[:60], pairs[60:68]
+    train[5] = [train[5][0], ""]  # skipped, with a note
+    (root / "train.de").write_text("".join(de + "\n" for de, _ in train))
+    (root / "train.en").write_text("".join(en + "\n" for _, en in train))
+    (root / "valid.tsv").write_text("".join(f"{de}\t{en}\n" for de, en in valid))
+    (root / "tiny.toml").write_text(TINY)
+    return root
+
+
+def train_args(data: Path, out: Path, *extra: object) -> list[object]:
+    return [
+        "translate", "train", "--threads", 1, "--config", data / "tiny.toml",
+        "--train", data / "train.de", data / "train.en", "--valid", data / "valid.tsv",
+        "--out", out, "--vocab-size", 300, "--max-tokens", 256, "--steps", STEPS,
+        "--save-every", 4, "--eval-every", 6, "--eval-sentences", 4, "--log-every", 2,
+        "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run_dir(data, tmp_path_factory) -> tuple[Path, dict, str]:
+    """One finished training run: (out dir, printed summary, stderr)."""
+    out = tmp_path_factory.mktemp("runs") / "run"
+    capture = io.StringIO()
+    old_out, old_err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = capture, io.StringIO()
+    try:
+        code = main([str(a) for a in train_args(data, out, "--average-last", 3)])
+        err = sys.stderr.getvalue()
+    finally:
+        sys.stdout, sys.stderr = old_out, old_err
+    assert code == 0, err
+    return out, json.loads(capture.getvalue()), err
+
+
+def test_training_writes_a_translation_model(run_dir):
+    out, summary, err = run_dir
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "metrics.jsonl", "loss.png"):
+        assert (out / name).is_file(), name
+    assert (out / "best" / "model.safetensors").is_file()
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "attnlab-transformer" and config["d_model"] == 32
+    assert "skipped 1 training pair(s) with an empty side" in err
+    assert summary["step"] == STEPS and summary["averaged_steps"] == [4, 8, 12]
+    assert "valid_bleu" in summary["eval"] and "valid_loss" in summary["averaged_eval"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [row for row in rows if row.get("eval")]
+    assert [row["step"] for row in evals] == [6, 12]
+    train_rows = [row for row in rows if not row.get("eval")]
+    assert train_rows[0]["lr"] > 0 and "nll_loss" in train_rows[0]
+
+
+def test_final_model_is_the_mean_of_the_last_checkpoints(run_dir):
+    out, _, _ = run_dir
+    steps = [out / "checkpoints" / f"step-{s}" for s in (4, 8, 12)]
+    final = load_file(str(out / "model.safetensors"))
+    weights = [load_file(str(step / "model.safetensors")) for step in steps]
+    assert final.keys() == weights[0].keys()
+    for name, tensor in final.items():
+        expected = torch.stack([w[name] for w in weights]).double().mean(0).float()
+        torch.testing.assert_close(tensor, expected, rtol=0, atol=1e-7)
+    assert average_checkpoints(steps[2:]).keys() == final.keys()
+    torch.testing.assert_close(average_checkpoints(steps[2:])["src_embed.weight"],
+                               weights[2]["src_embed.weight"], rtol=0, atol=0)  # fmt: skip
+
+
+def test_translate_keeps_lines_and_order(run_dir, cli):
+    out, _, _ = run_dir
+    lines = ["Der Mann liest ein Buch.", "", "Guten Morgen!", "Das Wetter ist heute schön."]
+    code, stdout, err = cli("translate", "--model", out, "--beam", 2, stdin="\n".join(lines) + "\n")
+    assert code == 0, err
+    hyps = stdout.split("\n")[:-1]
+    assert len(hyps) == len(lines) and hyps[1] == ""
+    # the same sentences one at a time give the same translations (batching changes nothing)
+    code, single, _ = cli("translate", "--model", out, "--beam", 2, "--batch-size", 1,
+                          stdin="\n".join(lines) + "\n")  # fmt: skip
+    assert single == stdout
+    code, greedy, _ = cli("translate", "--model", out, "--greedy", stdin=lines[0] + "\n")
+    assert code == 0 and len(greedy.splitlines()) == 1
+
+
+def test_translate_truncates_a_long_source_with_a_warning(run_dir, cli):
+    out, _, _ = run_dir
+    long_line = " ".join(["Der Mann liest ein Buch und"] * 20)
+    code, stdout, err = cli("translate", "--model", out, "--greedy", stdin=long_line + "\n")
+    assert code == 0 and len(stdout.splitlines()) == 1
+    assert "warning: 1 source line(s) too long were truncated" in err
+
+
+def test_score_prints_sacrebleu_json(run_dir, data, cli, tmp_path):
+    out, _, _ = run_dir
+    pairs = [line.split("\t") for line in (data / "valid.tsv").read_text().splitlines()]
+    (tmp_path / "src").write_text("".join(de + "\n" for de, _ in pairs))
+    (tmp_path / "ref").write_text("".join(en + "\n" for _, en in pairs))
+    code, stdout, err = cli("translate", "score", "--model", out, "--src", tmp_path / "src",
+                            "--ref", tmp_path / "ref", "--beam", 2)  # fmt: skip
+    assert code == 0, err
+    result = json.loads(stdout)
+    assert 0 <= result["bleu"] <= 100 and result["sentences"] == len(pairs)
+    assert result["signature"].startswith("nrefs:1|") and "tok:13a" in result["signature"]
+    (tmp_path / "ref").write_text("one line\n")
+    assert_one_error(*cli("translate", "score", "--model", out, "--src", tmp_path / "src",
+                          "--ref", tmp_path / "ref"), "--src has 8 lines but --ref has 1")  # fmt: skip
+
+
+def test_resume_continues_the_run(run_dir, data, cli, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(run_dir[0], out)
+    args = train_args(data, out, "--resume")
+    args[args.index("--steps") + 1] = STEPS + 2
+    code, stdout, err = cli(*args)
+    assert code == 0, err
+    assert json.loads(stdout)["step"] == STEPS + 2
+    model, tokenizer = load_translation_model(out)
+    assert model.config.d_model == 32 and tokenizer.vocab_size <= 300
+
+
+# ---- bad input: one line, exit 2, nothing written ---------------------------------------------
+
+
+def test_mismatched_line_counts(data, cli, tmp_path):
+    (tmp_path / "short.en").write_text("Hello.\n")
+    out = tmp_path / "out"
+    args = train_args(data, out)
+    args[args.index(data / "train.en")] = tmp_path / "short.en"
+    assert_one_error(*cli(*args), "has 60 lines but target", "has 1")
+    assert not out.exists()
+
+
+def test_out_holding_a_run_is_refused(run_dir, data, cli):
+    out = run_dir[0]
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert_one_error(*cli(*train_args(data, out)), "holds a run", "--resume", "--overwrite")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_resume_of_another_kind_of_run_is_refused(data, cli, tmp_path):
+    out = tmp_path / "bert-run"
+    out.mkdir()
+    (out / "config.json").write_text('{"model_type": "bert"}')
+    (out / "metrics.jsonl").write_text("")
+    assert_one_error(*cli(*train_args(data, out, "--resume")), "not an attnlab translation model")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.jsonl"]
+
+
+def test_a_bert_directory_is_not_a_translation_model(minilm_dir, cli, tmp_path):
+    assert_one_error(*cli("translate", "--model", minilm_dir, stdin="Hallo\n"),
+                     "not an attnlab translation model", "'bert'")  # fmt: skip
+    (tmp_path / "s").write_text("a\n")
+    assert_one_error(*cli("translate", "score", "--model", minilm_dir, "--src", tmp_path / "s",
+                          "--ref", tmp_path / "s"), "not an attnlab translation model")  # fmt: skip
+    assert_one_error(*cli("translate", "--model", tmp_path / "nowhere"), "not found")
+    assert_one_error(*cli("translate"), "translate needs --model DIR")
+
+
+def test_bad_options_and_files(data, cli, tmp_path):
+    out = tmp_path / "out"
+    bad_tsv = tmp_path / "bad.tsv"
+    bad_tsv.write_text("a\tb\nno tab\n")
+    cases = [
+        (["--preset", "transformer-huge"], "unknown --preset"),
+        (["--steps", 0], "--steps must be at least 1"),
+        (["--resume", "--overwrite"], "contradict"),
+        (["--max-tokens", 8], "below the longest sentence pair"),
+    ]
+    for extra, message in cases:
+        assert_one_error(*cli(*train_args(data, out, *extra)), message)
+    args = train_args(data, out)
+    start = args.index("--train")
+    args[start + 1 : start + 3] = [bad_tsv]
+    assert_one_error(*cli(*args), "line 2: expected 'source<TAB>target'")
+    args[start + 1] = tmp_path / "missing.tsv"
+    assert_one_error(*cli(*args), "not found")
+    assert_one_error(*cli("translate", "trian"), "invalid choice")
+    assert not out.exists()
