@@ -19,6 +19,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/tour.py
 	$(PY) examples/pretrain_demo.py
+	$(PY) examples/finetune_demo.py
+	$(PY) examples/translate_demo.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -183,6 +183,25 @@ def test_options_from_toml_and_yaml_with_flags_winning(corpus, tmp_path):
     assert config["architectures"] == ["BertForMaskedLM"]
 
 
+def test_compile_flag_reaches_the_trainer_config(tmp_path):
+    import argparse
+
+    from attnlab.cli import build_parser, options_from
+    from attnlab.tasks.distill import DistillOptions
+    from attnlab.tasks.pretrain import PretrainOptions, trainer_config
+
+    for command, cls, extra in (
+        ("pretrain", PretrainOptions, []),
+        ("distill", DistillOptions, ["--teacher", "t", "--student-layers", "2"]),
+    ):
+        argv = [command, "--out", str(tmp_path / command), "--compile", *extra]
+        args: argparse.Namespace = build_parser().parse_args(argv)
+        opts = options_from(cls, args, ("out",), ("out",))
+        assert opts.compile and trainer_config(opts, warmup_divisor=10).compile
+        plain = options_from(cls, build_parser().parse_args(argv[:3] + extra), ("out",), ("out",))
+        assert not plain.compile
+
+
 def test_bench_pretrain_prints_one_json_line(capsys):
     assert main(["bench", "pretrain", "--preset", "bert-tiny", "--batch-size", "2",
                  "--seq-len", "16", "--steps", "1"]) == 0  # fmt: skip

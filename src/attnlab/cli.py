@@ -361,7 +361,7 @@ def cmd_bench_pretrain(args: argparse.Namespace) -> None:
     from attnlab.tasks.pretrain import bench_pretraining
 
     result = bench_pretraining(
-        args.preset, args.batch_size, args.seq_len, args.steps, args.precision
+        args.preset, args.batch_size, args.seq_len, args.steps, args.precision, args.compile
     )
     print(json.dumps(result))
 
@@ -525,6 +525,9 @@ def add_training_flags(sub: argparse.ArgumentParser, lr_default: str, warmup_def
     sub.add_argument("--overwrite", action="store_true", default=None)
     sub.add_argument("--seed", type=int)
     sub.add_argument("--precision", choices=("fp32", "bf16"))
+    sub.add_argument(
+        "--compile", action="store_true", default=None, help="torch.compile the forward pass"
+    )
     sub.add_argument("--cache-dir", help="where tokenized corpora are cached")
 
 
@@ -672,6 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--seq-len", type=int, default=128)
     sub.add_argument("--steps", type=int, default=10)
     sub.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    sub.add_argument("--compile", action="store_true", help="torch.compile the model first")
 
     tok = commands.add_parser("tokenizer", help="tokenizer tools")
     tok_commands = tok.add_subparsers(dest="tokenizer_command", required=True, parser_class=_Parser)

@@ -290,6 +290,7 @@ class DistillOptions:
     overwrite: bool = False
     seed: int = 0
     precision: str = "fp32"
+    compile: bool = False
     cache_dir: Path | None = None
     progress: bool = True
     whole_word_masking: bool = False

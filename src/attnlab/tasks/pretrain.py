@@ -420,7 +420,7 @@ def trainer_config(opts: Any, warmup_divisor: int) -> TrainConfig:
         optimizer="adamw",
         grad_accum=getattr(opts, "grad_accum", 1),
         precision=opts.precision,
-        compile=getattr(opts, "compile", False),
+        compile=opts.compile,
         seed=opts.seed,
         log_every=opts.log_every,
         eval_every=opts.eval_every,
@@ -494,7 +494,12 @@ def training_step(
 
 
 def bench_pretraining(
-    preset: str, batch_size: int, seq_len: int, steps: int, precision: str = "fp32"
+    preset: str,
+    batch_size: int,
+    seq_len: int,
+    steps: int,
+    precision: str = "fp32",
+    compile: bool = False,
 ) -> dict[str, Any]:
     """Time `steps` training steps of a preset on synthetic data (after 2 warm-up steps)."""
     from attnlab.train.optim import build_optimizer
@@ -506,7 +511,8 @@ def bench_pretraining(
     if seq_len > config.max_positions:
         raise AttnlabError(f"--seq-len {seq_len} is above max positions ({config.max_positions})")
     model = BertForPreTraining(config).train()
-    step = training_step(model, build_optimizer(model, lr=1e-4), precision)
+    network = torch.compile(model) if compile else model  # compiled in the warm-up steps
+    step = training_step(network, build_optimizer(model, lr=1e-4), precision)
     batch = synthetic_batch(config.vocab_size, batch_size, seq_len)
     step(batch)
     step(batch)
@@ -520,6 +526,7 @@ def bench_pretraining(
         "seq_len": seq_len,
         "steps": steps,
         "precision": precision,
+        "compile": compile,
         "threads": torch.get_num_threads(),
         "seconds_per_step": seconds,
         "tokens_per_s": batch_size * seq_len / seconds,
