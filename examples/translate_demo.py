@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
+from attnlab.metrics import corpus_bleu
 from attnlab.tasks.translate import (
     TranslateOptions,
-    corpus_bleu,
     load_translation_model,
     read_data,
     train_translation,

@@ -402,7 +402,8 @@ def cmd_translate_train(args: argparse.Namespace) -> None:
 
 def cmd_translate_score(args: argparse.Namespace) -> None:
     """Translate --src and print sacreBLEU against --ref as one JSON line."""
-    from attnlab.tasks.translate import corpus_bleu, load_translation_model, translate_lines
+    from attnlab.metrics import corpus_bleu
+    from attnlab.tasks.translate import load_translation_model, translate_lines
 
     model, tokenizer = load_translation_model(args.model)
     sources, references = read_lines(args.src), read_lines(args.ref)

@@ -5,7 +5,11 @@
 - regression: Pearson and Spearman correlation (GLUE's STS-B metrics), from SciPy;
 - NER: entity-level precision / recall / F1 as conlleval counts them, from seqeval;
 - extractive QA: exact match and token F1 of the official SQuAD v1.1 evaluation script,
-  and, with `language="zh"`, the CMRC 2018 rule (see `squad_metrics`).
+  and, with `language="zh"`, the CMRC 2018 rule (see `squad_metrics`);
+- translation: corpus BLEU from sacreBLEU (detokenized input, signature reported).
+
+The libraries are imported where they are used: scikit-learn alone takes seconds to import,
+and `attnlab translate` should not wait for it.
 
 Every function returns plain Python floats so results drop straight into JSON. SQuAD
 scores are on 0..100 as the official scripts print them; the others are on 0..1.
@@ -22,9 +26,6 @@ from collections.abc import Sequence
 from difflib import SequenceMatcher
 
 import numpy as np
-from scipy import stats
-from seqeval import metrics as seqeval_metrics
-from sklearn import metrics as sk_metrics
 
 from attnlab.errors import AttnlabError
 from attnlab.text.tasks import QAExample
@@ -43,18 +44,24 @@ def _check_pairs(y_true: Sequence, y_pred: Sequence) -> None:
 def accuracy(y_true: Sequence, y_pred: Sequence) -> float:
     """Fraction of predictions equal to the gold label (0..1)."""
     _check_pairs(y_true, y_pred)
+    from sklearn import metrics as sk_metrics
+
     return float(sk_metrics.accuracy_score(y_true, y_pred))
 
 
 def macro_f1(y_true: Sequence, y_pred: Sequence) -> float:
     """Unweighted mean of the per-class F1 over the classes seen in gold or predictions."""
     _check_pairs(y_true, y_pred)
+    from sklearn import metrics as sk_metrics
+
     return float(sk_metrics.f1_score(y_true, y_pred, average="macro", zero_division=0))
 
 
 def mcc(y_true: Sequence, y_pred: Sequence) -> float:
     """Matthews correlation coefficient (-1..1; 0 when either side has a single class)."""
     _check_pairs(y_true, y_pred)
+    from sklearn import metrics as sk_metrics
+
     return float(sk_metrics.matthews_corrcoef(y_true, y_pred))
 
 
@@ -69,8 +76,10 @@ def classification_metrics(y_true: Sequence, y_pred: Sequence, n_classes: int) -
 # ---- regression -------------------------------------------------------------------------
 
 
-def _correlation(function, x: Sequence[float], y: Sequence[float]) -> float:
-    """A SciPy correlation of two equally long series; NaN when either is constant."""
+def _correlation(name: str, x: Sequence[float], y: Sequence[float]) -> float:
+    """SciPy's pearsonr / spearmanr of two equally long series; NaN when either is constant."""
+    from scipy import stats
+
     _check_pairs(x, y)
     if len(x) < 2:
         raise AttnlabError("a correlation needs at least 2 examples")
@@ -78,18 +87,20 @@ def _correlation(function, x: Sequence[float], y: Sequence[float]) -> float:
         # A constant series (e.g. a model that has not learned yet) has no correlation:
         # NaN says so without a warning per evaluation.
         warnings.simplefilter("ignore", stats.ConstantInputWarning)
-        value = function(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64))
+        value = getattr(stats, name)(
+            np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+        )
     return float(value[0])
 
 
 def pearson(x: Sequence[float], y: Sequence[float]) -> float:
     """Pearson (linear) correlation coefficient."""
-    return _correlation(stats.pearsonr, x, y)
+    return _correlation("pearsonr", x, y)
 
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     """Spearman rank correlation coefficient."""
-    return _correlation(stats.spearmanr, x, y)
+    return _correlation("spearmanr", x, y)
 
 
 def regression_metrics(pred: Sequence[float], gold: Sequence[float]) -> dict:
@@ -108,6 +119,8 @@ def entity_metrics(true_tags: list[list[str]], pred_tags: list[list[str]]) -> di
             raise AttnlabError(
                 f"sentence {index}: {len(pred)} predicted tags for {len(gold)} words"
             )
+    from seqeval import metrics as seqeval_metrics
+
     # seqeval's default mode reads chunks as conlleval does (I- after O starts an entity).
     return {
         "precision": float(seqeval_metrics.precision_score(true_tags, pred_tags)),
@@ -216,4 +229,35 @@ def squad_metrics(
     return {
         "exact_match": 100.0 * exact_total / len(examples),
         "f1": 100.0 * f1_total / len(examples),
+    }
+
+
+# ---- translation ------------------------------------------------------------------------
+
+
+def corpus_bleu(
+    hypotheses: Sequence[str], references: Sequence[str], tokenize: str = "13a"
+) -> dict:
+    """sacreBLEU of detokenized hypotheses against one reference each: score, signature, details."""
+    from sacrebleu.metrics import BLEU
+
+    if len(hypotheses) != len(references):
+        raise AttnlabError(
+            f"{len(hypotheses)} translations but {len(references)} references: "
+            "the files must have the same number of lines"
+        )
+    try:
+        bleu = BLEU(tokenize=tokenize)
+    except Exception as err:  # sacrebleu raises its own types for an unknown tokenizer
+        raise AttnlabError(f"sacreBLEU: {str(err).splitlines()[0]}") from None
+    result = bleu.corpus_score(list(hypotheses), [list(references)])
+    return {
+        "bleu": result.score,
+        "signature": str(bleu.get_signature()),
+        "text": str(result),
+        "precisions": result.precisions,
+        "bp": result.bp,
+        "sys_len": result.sys_len,
+        "ref_len": result.ref_len,
+        "sentences": len(hypotheses),
     }

@@ -33,6 +33,7 @@ from attnlab.config import TRANSFORMER_PRESETS, TransformerConfig
 from attnlab.decode import translate_ids
 from attnlab.errors import AttnlabError
 from attnlab.io import write_text_atomic, write_with_atomic
+from attnlab.metrics import corpus_bleu
 from attnlab.models.seq2seq import Transformer
 from attnlab.text.bpe import BpeTokenizer, train_bpe_from_texts
 from attnlab.text.parallel import (
@@ -183,34 +184,6 @@ def translate_lines(
         for j, text in zip(chunk, tokenizer.decode_batch(hyps), strict=True):
             outputs[todo[j]] = text
     return outputs
-
-
-def corpus_bleu(
-    hypotheses: Sequence[str], references: Sequence[str], tokenize: str = "13a"
-) -> dict:
-    """sacreBLEU of detokenized hypotheses against one reference each: score, signature, details."""
-    from sacrebleu.metrics import BLEU
-
-    if len(hypotheses) != len(references):
-        raise AttnlabError(
-            f"{len(hypotheses)} translations but {len(references)} references: "
-            "the files must have the same number of lines"
-        )
-    try:
-        bleu = BLEU(tokenize=tokenize)
-    except Exception as err:  # sacrebleu raises its own types for an unknown tokenizer
-        raise AttnlabError(f"sacreBLEU: {str(err).splitlines()[0]}") from None
-    result = bleu.corpus_score(list(hypotheses), [list(references)])
-    return {
-        "bleu": result.score,
-        "signature": str(bleu.get_signature()),
-        "text": str(result),
-        "precisions": result.precisions,
-        "bp": result.bp,
-        "sys_len": result.sys_len,
-        "ref_len": result.ref_len,
-        "sentences": len(hypotheses),
-    }
 
 
 # ---------------------------------------------------------------------------- training
