@@ -7,7 +7,8 @@ training time from the run's metrics.jsonl. ``--run DIR`` only scores and plots 
 
 Tatoeba zh→en has no split: ``--pair tatoeba`` fixes one (see ``tatoeba_split``): after a
 seeded shuffle of the 29,155 pairs, the first 1,000 are the test set, the next 1,000 the
-validation set, the rest training data; the files are written under --out/data.
+validation set, the rest training data; the files are written beside the run, in
+<run>-data/.
 
 Usage:
     python bench/translate_quality.py --pair multi30k --minutes 60 --out runs/m30k
@@ -33,7 +34,7 @@ TATOEBA = SHARED_DATA / "tatoeba-cmn-eng"
 
 
 def tatoeba_split(out: Path, seed: int = 0) -> dict[str, tuple[Path, Path]]:
-    """Write the fixed zh→en split of the Tatoeba pairs: {"train"|"valid"|"test": (zh, en)}."""
+    """Write the fixed zh→en split of the Tatoeba pairs into out: {split: (zh file, en file)}."""
     pairs = []
     for line in read_gz_lines(TATOEBA / "cmn.txt.gz"):
         fields = line.split("\t")
@@ -58,7 +59,7 @@ def data_files(pair: str, out: Path) -> dict[str, tuple[Path, Path]]:
             name: (MULTI30K / f"{stem}.de.gz", MULTI30K / f"{stem}.en.gz")
             for name, stem in (("train", "train"), ("valid", "val"), ("test", "test_2016_flickr"))
         }
-    return tatoeba_split(out / "data")
+    return tatoeba_split(out)
 
 
 def attnlab(*args: object) -> str:
@@ -111,7 +112,7 @@ def main() -> None:
     run = args.run or args.out
     if run is None:
         parser.error("give --out (train) or --run (score a finished run)")
-    files = data_files(args.pair, run if args.run is None else run.parent / f"{run.name}-data")
+    files = data_files(args.pair, run.parent / f"{run.name}-data")  # beside the run, not in it
     if args.run is None:
         (src, tgt), (vsrc, vtgt) = files["train"], files["valid"]
         attnlab(
