@@ -109,6 +109,9 @@ def main() -> None:
         help="extra `translate train` options",
     )
     args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)  # so machine() reports the threads the runs use
     run = args.run or args.out
     if run is None:
         parser.error("give --out (train) or --run (score a finished run)")
