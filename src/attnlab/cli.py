@@ -16,6 +16,8 @@ from attnlab.errors import AttnlabError
 
 if TYPE_CHECKING:
     from attnlab.models.bert import BertModel
+    from attnlab.models.seq2seq import Transformer
+    from attnlab.text.bpe import BpeTokenizer
     from attnlab.text.tokenizer import BertTokenizer
 
 EXIT_USAGE = 2
@@ -366,15 +368,13 @@ def cmd_bench_pretrain(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
-def cmd_translate(args: argparse.Namespace) -> None:
-    """Translate stdin (or --input) lines with a trained model: one line out per line in."""
-    from attnlab.tasks.translate import load_translation_model, translate_lines
+def _translate(
+    args: argparse.Namespace, model: Transformer, tokenizer: BpeTokenizer, lines: list[str]
+) -> list[str]:
+    """Translate lines with the decoding flags of translate / translate score."""
+    from attnlab.tasks.translate import translate_lines
 
-    if not args.model:
-        raise AttnlabError("translate needs --model DIR (or a subcommand: translate train|score)")
-    model, tokenizer = load_translation_model(args.model)  # before stdin: fail fast
-    lines = read_lines(args.input)
-    hyps = translate_lines(
+    return translate_lines(
         model,
         tokenizer,
         lines,
@@ -385,6 +385,17 @@ def cmd_translate(args: argparse.Namespace) -> None:
         max_len_b=args.max_len_b,
         on_truncate=lambda n: _say(f"warning: {n} source line(s) too long were truncated"),
     )
+
+
+def cmd_translate(args: argparse.Namespace) -> None:
+    """Translate stdin (or --input) lines with a trained model: one line out per line in."""
+    from attnlab.tasks.translate import load_translation_model
+
+    if not args.model:
+        raise AttnlabError("translate needs --model DIR (or a subcommand: translate train|score)")
+    model, tokenizer = load_translation_model(args.model)  # before stdin: fail fast
+    lines = read_lines(args.input)
+    hyps = _translate(args, model, tokenizer, lines)
     sys.stdout.write("".join(hyp + "\n" for hyp in hyps))
 
 
@@ -403,7 +414,7 @@ def cmd_translate_train(args: argparse.Namespace) -> None:
 def cmd_translate_score(args: argparse.Namespace) -> None:
     """Translate --src and print sacreBLEU against --ref as one JSON line."""
     from attnlab.metrics import corpus_bleu
-    from attnlab.tasks.translate import load_translation_model, translate_lines
+    from attnlab.tasks.translate import load_translation_model
 
     model, tokenizer = load_translation_model(args.model)
     sources, references = read_lines(args.src), read_lines(args.ref)
@@ -411,17 +422,7 @@ def cmd_translate_score(args: argparse.Namespace) -> None:
         raise AttnlabError(
             f"--src has {len(sources)} lines but --ref has {len(references)}: they must align"
         )
-    hyps = translate_lines(
-        model,
-        tokenizer,
-        sources,
-        beam=1 if args.greedy else args.beam,
-        length_penalty=args.length_penalty,
-        batch_size=args.batch_size,
-        max_len_a=args.max_len_a,
-        max_len_b=args.max_len_b,
-        on_truncate=lambda n: _say(f"warning: {n} source line(s) too long were truncated"),
-    )
+    hyps = _translate(args, model, tokenizer, sources)
     result = corpus_bleu(hyps, references, tokenize=args.tokenize)
     print(json.dumps({**result, "beam": 1 if args.greedy else args.beam}, ensure_ascii=False))
 
