@@ -45,17 +45,12 @@ def _set_threads(args: argparse.Namespace) -> None:
 
 
 def read_lines(path: str | None) -> list[str]:
-    """All lines of a UTF-8 file (or stdin when path is None or '-'), without line endings."""
-    if path in (None, "-"):
-        data = sys.stdin.buffer.read()
-        name = "stdin"
-    else:
-        file = Path(path)
-        if not file.is_file():
-            raise AttnlabError(f"input file {file} not found")
-        data = file.read_bytes()
-        name = str(file)
-    lines = data.split(b"\n")
+    """All lines of a UTF-8 file (.gz too) or of stdin (path None or '-'), without line endings."""
+    from attnlab.text.parallel import read_text_lines
+
+    if path not in (None, "-"):
+        return read_text_lines(Path(path))
+    lines = sys.stdin.buffer.read().split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
     out = []
@@ -63,7 +58,7 @@ def read_lines(path: str | None) -> list[str]:
         try:
             out.append(raw.decode("utf-8").rstrip("\r"))
         except UnicodeDecodeError:
-            raise AttnlabError(f"{name} line {number} is not valid UTF-8") from None
+            raise AttnlabError(f"stdin line {number} is not valid UTF-8") from None
     return out
 
 
