@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from attnlab.errors import AttnlabError
 from attnlab.nn.attention import (
     KVCache,
     MultiHeadAttention,
@@ -230,6 +231,29 @@ def test_cross_attention_equals_torch_multihead_attention() -> None:
     torch.testing.assert_close(again, out, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_cross_attention_shared_by_groups_equals_repeated_memory(q_len: int) -> None:
+    # Beam search: the k beams of a sentence (consecutive rows) attend to one memory row.
+    torch.manual_seed(3)
+    mha = MultiHeadAttention(D_MODEL, H, cross=True).eval()
+    group = 3
+    x, memory = torch.randn(B * group, q_len, D_MODEL), torch.randn(B, 6, D_MODEL)
+    bias = padding_bias(MASK, x.dtype)
+    with torch.no_grad():
+        shared, w, (k, v) = mha(x, memory, bias=bias, need_weights=True)
+        copied, w_ref, _ = mha(
+            x, memory.repeat_interleave(group, 0), bias=bias.repeat_interleave(group, 0),
+            need_weights=True,
+        )  # fmt: skip
+        fast, _, _ = mha(x, None, bias=bias, past=(k, v))
+    assert k.shape[0] == B  # the cache keeps one row per sentence
+    torch.testing.assert_close(shared, copied, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(fast, copied, atol=1e-6, rtol=1e-5)
+    with pytest.raises(AttnlabError, match="share"):
+        mha(torch.randn(B * group + 1, q_len, D_MODEL), memory)
+
+
 # --- KV cache ---------------------------------------------------------------------------------
 
 
@@ -263,7 +287,7 @@ def test_kv_cache_slots_length_and_reorder() -> None:
     cache.self_kv[0] = (k, v)
     cache.cross_kv[0] = (k + 10, v - 10)
     assert cache.length == 4
-    cache.reorder(torch.tensor([2, 0, 0, 1]))
+    cache.reorder(torch.tensor([2, 0, 0, 1]), torch.tensor([2, 0, 0, 1]))
     sk, sv = cache.self_kv[0]
     assert sk.shape == (4, H, 4, D_HEAD)
     assert sk[:, 0, 0, 0].tolist() == [2.0, 0.0, 0.0, 1.0]
@@ -273,3 +297,7 @@ def test_kv_cache_slots_length_and_reorder() -> None:
     assert cache.self_kv[1] is None and cache.cross_kv[1] is None
     # every row of a selected sample is carried whole
     assert torch.equal(sk[0], k[2]) and torch.equal(sk[3], k[1])
+    # without cross_index the cross-attention rows stay as they are (beams share them)
+    cache.reorder(torch.tensor([3, 0]))
+    assert cache.self_kv[0][0][:, 0, 0, 0].tolist() == [1.0, 2.0]
+    assert cache.cross_kv[0][0].shape[0] == 4

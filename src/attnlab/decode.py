@@ -102,7 +102,7 @@ def greedy_search(
                 rows, tokens, max_lens = rows[live], tokens[live], max_lens[live]
                 memory, src_mask = memory[live], src_mask[live]
                 if cache is not None:
-                    cache.reorder(live)
+                    cache.reorder(live, live)
             step += 1
         return outputs
 
@@ -133,10 +133,9 @@ def beam_search(
     with _eval_mode(model):
         src_mask, max_lens = _prepare(model, src_ids, src_mask, max_len_a, max_len_b)
         device, n_sent = src_ids.device, src_ids.shape[0]
-        memory = model.encode(src_ids, src_mask)  # once per source
-        # Beams of a sentence sit next to each other: row = sentence * k + beam.
-        memory = memory.repeat_interleave(k, 0)  # (n * k, src_len, d_model)
-        src_mask = src_mask.repeat_interleave(k, 0)
+        # Once per source, and not copied per beam: beams of a sentence sit next to each other
+        # (row = sentence * k + beam), and cross-attention lets those k rows share one memory row.
+        memory = model.encode(src_ids, src_mask)
         banned = _banned_tokens(model)
         sent = torch.arange(n_sent, device=device)  # original index of each live sentence
         tokens = torch.full((n_sent * k, 1), cfg.bos_id, device=device)  # (n * k, t + 1)
@@ -192,7 +191,7 @@ def beam_search(
             rows = rows.view(-1)
             tokens = torch.cat((tokens[rows], token.gather(1, order).view(-1, 1)), 1)
             if cache is not None:
-                cache.reorder(rows, cross=False)  # beams stay within their sentence
+                cache.reorder(rows)  # beams stay within their sentence: memory rows unchanged
 
             # Which sentences are done?
             best_live = scores[:, 0]  # (n,), sorted best first
@@ -206,9 +205,9 @@ def beam_search(
                 live = (~done).nonzero().squeeze(1)
                 beam_rows = (live.unsqueeze(1) * k + torch.arange(k, device=device)).view(-1)
                 sent, scores, max_lens = sent[live], scores[live], max_lens[live]
-                tokens, memory, src_mask = tokens[beam_rows], memory[beam_rows], src_mask[beam_rows]
+                tokens, memory, src_mask = tokens[beam_rows], memory[live], src_mask[live]
                 if cache is not None:
-                    cache.reorder(beam_rows)
+                    cache.reorder(beam_rows, live)
             step += 1
         return [_strip(row[1:], cfg.eos_id) for row in best_tokens.tolist()]
 

@@ -188,6 +188,8 @@ class Transformer(nn.Module):
 
         With a cache, tgt_ids holds only the new positions (they follow cache.length earlier
         ones), and memory is read only while the cache has no cross-attention keys/values yet.
+        memory and src_mask may have one row per group of consecutive target rows (the beams of
+        a sentence); the group then shares it.
         """
         start = cache.length if cache is not None else 0
         new = tgt_ids.shape[1]

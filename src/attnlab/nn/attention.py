@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab.errors import AttnlabError
+
 
 def causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> Tensor:
     """Boolean (q_len, k_len) mask, True where query i may see key j (j <= i + k_len - q_len).
@@ -111,16 +113,45 @@ class KVCache:
         first = self.self_kv[0]
         return 0 if first is None else first[0].shape[2]
 
-    def reorder(self, index: Tensor, cross: bool = True) -> None:
-        """Keep/duplicate batch rows by index (beam search).
+    def reorder(self, index: Tensor, cross_index: Tensor | None = None) -> None:
+        """Keep/duplicate batch rows: self-attention ones by index, cross-attention ones by cross_index.
 
-        cross=False leaves the cross-attention keys/values alone: when beams are reordered
-        within each sentence, every beam of a sentence holds the same rows there.
+        cross_index=None leaves the cross-attention keys/values as they are: in beam search
+        they hold one row per sentence, shared by its beams, and change only when sentences
+        leave the batch.
         """
-        for slots in (self.self_kv, self.cross_kv) if cross else (self.self_kv,):
-            for i, kv in enumerate(slots):
-                if kv is not None:
-                    slots[i] = (kv[0].index_select(0, index), kv[1].index_select(0, index))
+        self.self_kv = [_select_rows(kv, index) for kv in self.self_kv]
+        if cross_index is not None:
+            self.cross_kv = [_select_rows(kv, cross_index) for kv in self.cross_kv]
+
+
+def _select_rows(kv: tuple[Tensor, Tensor] | None, rows: Tensor) -> tuple[Tensor, Tensor] | None:
+    return None if kv is None else (kv[0].index_select(0, rows), kv[1].index_select(0, rows))
+
+
+def _group_size(q_rows: int, kv_rows: int, bias: Tensor | None) -> int:
+    """How many consecutive query rows share each key/value row (cross-attention in beam search)."""
+    if q_rows == kv_rows:
+        return 1
+    if kv_rows == 0 or q_rows % kv_rows:
+        raise AttnlabError(f"{q_rows} query rows cannot share {kv_rows} key/value rows evenly")
+    if bias is not None and (bias.shape[0] not in (1, kv_rows) or bias.shape[-2] != 1):
+        raise AttnlabError("a bias for shared keys/values must be (kv_rows or 1, ., 1, k_len)")
+    return q_rows // kv_rows
+
+
+def _to_groups(x: Tensor, group: int) -> Tensor:
+    """(rows * group, heads, q_len, d) -> (rows, heads, group * q_len, d): a group's queries side by side."""
+    bg, h, q_len, d = x.shape
+    x = x.view(bg // group, group, h, q_len, d).transpose(1, 2)
+    return x.reshape(bg // group, h, group * q_len, d)
+
+
+def _from_groups(x: Tensor, group: int) -> Tensor:
+    """Inverse of _to_groups for outputs and weights: (rows, heads, group * q_len, n) -> (rows * group, heads, q_len, n)."""
+    b, h, gq, n = x.shape
+    x = x.view(b, h, group, gq // group, n).transpose(1, 2)
+    return x.reshape(b * group, h, gq // group, n)
 
 
 class MultiHeadAttention(nn.Module):
@@ -165,14 +196,20 @@ class MultiHeadAttention(nn.Module):
 
         ``past`` holds cached keys/values: for self-attention new ones are appended; for
         cross-attention they are used as they are (memory may then be None). The returned kv
-        is what a cache should keep.
+        is what a cache should keep. Cross-attention keys/values may have fewer rows than x:
+        each is then shared by x.shape[0] // rows consecutive query rows (the beams of one
+        sentence), which attend to it together instead of to copies of it.
         """
+        group = 1
         if self.cross:
             (q,) = self._heads(self.q_proj(x), 1)
             if past is not None:
                 k, v = past
             else:
                 k, v = self._heads(self.kv_proj(memory), 2)
+            group = _group_size(q.shape[0], k.shape[0], bias)
+            if group > 1:
+                q = _to_groups(q, group)
         else:
             q, k, v = self._heads(self.qkv_proj(x), 3)
             if rope is not None:
@@ -182,6 +219,9 @@ class MultiHeadAttention(nn.Module):
                 v = torch.cat((past[1], v), dim=2)
         dropout_p = self.dropout if self.training else 0.0
         out, weights = scaled_dot_product_attention(q, k, v, bias, causal, dropout_p, need_weights)
+        if group > 1:
+            out = _from_groups(out, group)
+            weights = None if weights is None else _from_groups(weights, group)
         b, _, s, _ = out.shape
         out = out.transpose(1, 2).reshape(b, s, self.d_model)  # concatenate heads
         return self.out_proj(out), weights, (k, v)
