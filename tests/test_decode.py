@@ -8,8 +8,15 @@ import itertools
 import pytest
 import torch
 
+from attnlab import decode
 from attnlab.config import TransformerConfig
-from attnlab.decode import beam_search, gnmt_length_penalty, greedy_search, translate_ids
+from attnlab.decode import (
+    beam_search,
+    gnmt_length_penalty,
+    greedy_search,
+    top_k_rows,
+    translate_ids,
+)
 from attnlab.models.seq2seq import Transformer
 
 PAD, BOS, EOS = 0, 1, 2
@@ -83,6 +90,31 @@ def test_cached_and_uncached_searches_agree(norm_position: str, position_encodin
     assert len({len(ids) for ids in greedy}) > 2  # sentences end at different steps
     beam = beam_search(model, src, mask, beam_size=4)
     assert beam == beam_search(model, src, mask, beam_size=4, use_cache=False)
+
+
+@pytest.mark.parametrize("n", [640, 1000, 8003])
+def test_chunked_top_k_equals_torch_topk(n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(37, n, generator=g)
+    x[0, :] = float("-inf")  # a row with nothing allowed but
+    x[0, n - 1] = 0.0  # one value in the tail that fills no whole chunk
+    x[1, 100:108] = 50.0 + torch.arange(8.0)  # the best values all in one or two chunks
+    x[2, ::64] = 9.0 + torch.arange(len(range(0, n, 64))) / n  # each in a different chunk
+    for k in (1, 8, 9):
+        values, index = top_k_rows(x, k)
+        expected = x.topk(k, dim=-1)
+        assert torch.equal(values, expected.values)
+        assert torch.equal(x.gather(1, index), values)
+        assert all(len(set(row)) == k for row in index.tolist())
+
+
+def test_beam_search_with_chunked_top_k_equals_plain_top_k(monkeypatch) -> None:
+    # a vocabulary large enough for the chunked path (more chunks than 2 * beam)
+    model = peaky_model(seed=5, vocab=700)
+    src, mask = sources(vocab=700, seed=6)
+    fast = beam_search(model, src, mask, beam_size=4)
+    monkeypatch.setattr(decode, "top_k_rows", lambda x, k: x.topk(k, dim=-1))
+    assert beam_search(model, src, mask, beam_size=4) == fast
 
 
 def test_outputs_are_clean_and_within_each_sentences_length_limit() -> None:

@@ -61,6 +61,29 @@ def _banned_tokens(model: Transformer) -> list[int]:
     return sorted({model.config.pad_id, model.config.bos_id} - {model.config.eos_id})
 
 
+def top_k_rows(x: Tensor, k: int, chunk: int = 64) -> tuple[Tensor, Tensor]:
+    """The k largest values of each row of x (rows, n) and their indices, as ``x.topk(k, -1)``.
+
+    A vocabulary-wide top-k costs a selection pass over every logit. Here each row is cut
+    into chunks of ``chunk`` values and only the k chunks with the largest maxima are searched:
+    a value among the k largest lies in such a chunk (otherwise k chunks each hold a larger
+    value). The row's tail that fills no whole chunk is always searched. Ties may pick
+    different indices than ``topk``; the values are the same.
+    """
+    rows, n = x.shape
+    whole = n - n % chunk
+    if whole // chunk <= k:  # too few chunks to skip any
+        return x.topk(k, dim=-1)
+    chunk_max = x[:, :whole].view(rows, whole // chunk, chunk).amax(-1)  # (rows, n // chunk)
+    best_chunks = chunk_max.topk(k, dim=-1).indices  # (rows, k)
+    offsets = torch.arange(chunk, device=x.device)
+    index = (best_chunks.unsqueeze(-1) * chunk + offsets).view(rows, k * chunk)
+    if whole < n:
+        index = torch.cat((index, torch.arange(whole, n, device=x.device).expand(rows, -1)), 1)
+    values, where = x.gather(1, index).topk(k, dim=-1)
+    return values, index.gather(1, where)
+
+
 def _strip(row: list[int], eos_id: int) -> list[int]:
     return row[: row.index(eos_id)] if eos_id in row else row
 
@@ -156,16 +179,19 @@ def beam_search(
             logits = model.decode(new, memory, src_mask, cache)[:, -1]  # (n * k, vocab)
             logp = torch.log_softmax(logits.float(), -1)
             logp[:, banned] = float("-inf")
-            vocab = logp.shape[-1]
-            logp = logp.view(n, k, vocab)
             at_max = step >= max_lens  # (n,): these must end now
             if bool(at_max.any()):
-                eos_logp = logp[:, :, cfg.eos_id].clone()
-                logp[at_max] = float("-inf")
-                logp[:, :, cfg.eos_id] = eos_logp
-            candidates = (scores.unsqueeze(-1) + logp).view(n, k * vocab)
-            top_scores, top_index = candidates.topk(2 * k, dim=1)  # (n, 2k), best first
-            from_beam, token = top_index // vocab, top_index % vocab
+                rows_at_max = at_max.repeat_interleave(k)
+                eos_logp = logp[:, cfg.eos_id].clone()
+                logp[rows_at_max] = float("-inf")
+                logp[:, cfg.eos_id] = eos_logp
+            # Only a beam's 2k best tokens can be among its sentence's 2k best candidates: one
+            # top-k per beam, then one over the k * 2k survivors (not one over k * vocab).
+            width = min(2 * k, logp.shape[-1])
+            beam_top, beam_token = top_k_rows(logp, width)  # (n * k, width)
+            candidates = (scores.view(-1, 1) + beam_top).view(n, k * width)
+            top_scores, pick = candidates.topk(2 * k, dim=1)  # (n, 2k), best first
+            from_beam, token = pick // width, beam_token.view(n, k * width).gather(1, pick)
 
             # Finished: eos candidates among the first k ranks (a real score, not -inf).
             is_eos = token == cfg.eos_id
