@@ -290,7 +290,7 @@ def test_max_length_outside_the_model_range_is_refused(cli, tiny_dir, command, v
 @pytest.mark.parametrize("command", ["embed", "tokenize"])
 def test_non_utf8_stdin_is_an_error_naming_the_line(cli, tiny_dir, command):
     result = cli(command, "--model", tiny_dir, stdin=b"fine\nalso fine\nbad \xff\xfe here\n")
-    assert_one_error(*result, "stdin line 3", "UTF-8")
+    assert_one_error(*result, "stdin, line 3", "UTF-8")
 
 
 def test_non_utf8_input_file_and_missing_input_file(cli, tiny_dir, tmp_path):

@@ -46,20 +46,11 @@ def _set_threads(args: argparse.Namespace) -> None:
 
 def read_lines(path: str | None) -> list[str]:
     """All lines of a UTF-8 file (.gz too) or of stdin (path None or '-'), without line endings."""
-    from attnlab.text.parallel import read_text_lines
+    from attnlab.text.parallel import decode_lines, read_text_lines
 
     if path not in (None, "-"):
         return read_text_lines(Path(path))
-    lines = sys.stdin.buffer.read().split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    out = []
-    for number, raw in enumerate(lines, 1):
-        try:
-            out.append(raw.decode("utf-8").rstrip("\r"))
-        except UnicodeDecodeError:
-            raise AttnlabError(f"stdin line {number} is not valid UTF-8") from None
-    return out
+    return decode_lines(sys.stdin.buffer.read(), "stdin")
 
 
 def _load(model_dir: str) -> tuple[BertModel, BertTokenizer]:

@@ -11,7 +11,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from attnlab.errors import AttnlabError
 
@@ -34,8 +34,60 @@ def _check(condition: bool, message: str) -> None:
         raise AttnlabError(message)
 
 
+_C = TypeVar("_C", bound="_JsonConfig")
+
+
+class _JsonConfig:
+    """What both model configs share: validated copies, named presets, JSON round trips."""
+
+    @classmethod
+    def presets(cls) -> dict[str, dict[str, Any]]:
+        """Named sizes: {name: field values}."""
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as a JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    def replace(self: _C, **overrides: Any) -> _C:
+        """A copy with some fields changed (validated)."""
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
+        _check(not unknown, f"config: unknown field(s) {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **overrides)
+
+    @classmethod
+    def from_dict(cls: type[_C], data: dict[str, Any]) -> _C:
+        """Build from a dict of field names (as to_dict writes them); unknown keys are an error."""
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        _check(not unknown, f"config: unknown field(s) {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+    @classmethod
+    def preset(cls: type[_C], name: str, **overrides: Any) -> _C:
+        """A named size with optional field overrides (validated)."""
+        table = cls.presets()
+        if name not in table:
+            raise AttnlabError(f"unknown preset {name!r} (choose from {', '.join(sorted(table))})")
+        return cls.from_dict({**table[name], **overrides})
+
+    def save(self, path: str | Path) -> None:
+        """Write as attnlab JSON (atomic)."""
+        from attnlab.io import write_text_atomic
+
+        write_text_atomic(Path(path), json.dumps(self.to_dict(), indent=2, ensure_ascii=False))
+
+    @classmethod
+    def load(cls: type[_C], path: str | Path) -> _C:
+        """Read a JSON file written by save."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise AttnlabError(f"cannot read {cls.__name__} {path}: {exc}") from exc
+        return cls.from_dict(data)
+
+
 @dataclass
-class BertConfig:
+class BertConfig(_JsonConfig):
     """BERT encoder: sizes, dropout, activation, LayerNorm placement and positional scheme."""
 
     vocab_size: int = 30522
@@ -127,38 +179,10 @@ class BertConfig:
         """Width of the embedding tables (ALBERT's E; d_model when not factorised)."""
         return self.embedding_size or self.d_model
 
-    def to_dict(self) -> dict[str, Any]:
-        """All fields as a JSON-ready dict."""
-        return dataclasses.asdict(self)
-
-    def replace(self, **overrides: Any) -> BertConfig:
-        """A copy with some fields changed (validated)."""
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
-        _check(not unknown, f"config: unknown field(s) {', '.join(sorted(unknown))}")
-        return dataclasses.replace(self, **overrides)
-
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BertConfig:
-        """Build from a dict of attnlab field names; unknown keys are an error."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        _check(not unknown, f"config: unknown field(s) {', '.join(sorted(unknown))}")
-        return cls(**data)
-
-    @classmethod
-    def preset(cls, name: str, **overrides: Any) -> BertConfig:
-        """A named size (bert-tiny ... bert-large) with optional field overrides."""
-        if name not in BERT_PRESETS:
-            raise AttnlabError(
-                f"unknown preset {name!r} (choose from {', '.join(sorted(BERT_PRESETS))})"
-            )
-        return cls(**BERT_PRESETS[name]).replace(**overrides)
-
-    def save(self, path: str | Path) -> None:
-        """Write as attnlab JSON (atomic)."""
-        from attnlab.io import write_text_atomic
-
-        write_text_atomic(Path(path), json.dumps(self.to_dict(), indent=2, ensure_ascii=False))
+    def presets(cls) -> dict[str, dict[str, Any]]:
+        """The named sizes: bert-tiny ... bert-large."""
+        return BERT_PRESETS
 
 
 def _sizes(n_layers: int, d_model: int, n_heads: int) -> dict[str, int]:
@@ -177,7 +201,7 @@ BERT_PRESETS: dict[str, dict[str, int]] = {
 
 
 @dataclass
-class TransformerConfig:
+class TransformerConfig(_JsonConfig):
     """Encoder-decoder Transformer (Vaswani et al. 2017): the base model's defaults.
 
     The paper shares one BPE vocabulary (~37k for EN-DE) between source and target, the two
@@ -290,47 +314,10 @@ class TransformerConfig:
         """Size of one attention head."""
         return self.d_model // self.n_heads
 
-    def to_dict(self) -> dict[str, Any]:
-        """All fields as a JSON-ready dict."""
-        return dataclasses.asdict(self)
-
-    def replace(self, **overrides: Any) -> TransformerConfig:
-        """A copy with some fields changed (validated)."""
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
-        _check(not unknown, f"config: unknown field(s) {', '.join(sorted(unknown))}")
-        return dataclasses.replace(self, **overrides)
-
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TransformerConfig:
-        """Build from a dict of field names (as to_dict writes them); unknown keys are an error."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        _check(not unknown, f"config: unknown field(s) {', '.join(sorted(unknown))}")
-        return cls(**data)
-
-    @classmethod
-    def preset(cls, name: str, **overrides: Any) -> TransformerConfig:
-        """A named size (transformer-small/base/big) with optional field overrides."""
-        if name not in TRANSFORMER_PRESETS:
-            raise AttnlabError(
-                f"unknown preset {name!r} (choose from {', '.join(sorted(TRANSFORMER_PRESETS))})"
-            )
-        return cls(**{**TRANSFORMER_PRESETS[name], **overrides})
-
-    def save(self, path: str | Path) -> None:
-        """Write as attnlab JSON (atomic)."""
-        from attnlab.io import write_text_atomic
-
-        write_text_atomic(Path(path), json.dumps(self.to_dict(), indent=2, ensure_ascii=False))
-
-    @classmethod
-    def load(cls, path: str | Path) -> TransformerConfig:
-        """Read a JSON file written by save."""
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise AttnlabError(f"cannot read Transformer config {path}: {exc}") from exc
-        return cls.from_dict(data)
+    def presets(cls) -> dict[str, dict[str, Any]]:
+        """The named sizes: transformer-small, -base, -big."""
+        return TRANSFORMER_PRESETS
 
 
 def _seq2seq_sizes(

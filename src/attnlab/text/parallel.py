@@ -47,6 +47,11 @@ def read_text_lines(path: Path) -> list[str]:
             data = stream.read()
     except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
         raise AttnlabError(f"cannot read {path}: {error}") from error
+    return decode_lines(data, str(path))
+
+
+def decode_lines(data: bytes, source: str) -> list[str]:
+    """UTF-8 bytes -> lines without line endings; an invalid line is an error naming source and line."""
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
@@ -55,7 +60,7 @@ def read_text_lines(path: Path) -> list[str]:
         try:
             out.append(raw.decode("utf-8").rstrip("\r"))
         except UnicodeDecodeError:
-            raise AttnlabError(f"{path}, line {number}: not valid UTF-8") from None
+            raise AttnlabError(f"{source}, line {number}: not valid UTF-8") from None
     return out
 
 
