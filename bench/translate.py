@@ -13,7 +13,15 @@ decoder steps per batch; what differs is only how fast each step is. Timed: the 
 (source ids in, token ids out), after one untimed warm-up run. Also timed: attnlab with the KV
 cache off (the decoder re-reads the whole prefix each step), to show what the cache buys.
 
+``--model DIR`` (a trained attnlab translation model) measures natural lengths instead: the
+model's weights are copied into the HF Marian model (the same post-LN architecture; the
+logits of both are checked equal before timing), nothing is forced, and each system decodes
+as it does for users: attnlab drops a sentence from the batch when it ends, HF keeps a batch
+running until its last sentence ends. Both outputs are scored with sacreBLEU against the
+references, so equal quality is shown, not assumed.
+
 Usage: python bench/translate.py [--n 500] [--threads 4] [--preset transformer-base]
+       python bench/translate.py --model runs/m30k [--max-len 60]
 """
 
 from __future__ import annotations
@@ -71,6 +79,157 @@ def marian_like(config, vocab_size: int):
     return MarianMTModel(hf_config).eval()
 
 
+def marian_with_weights(model: torch.nn.Module, vocab_size: int):
+    """HF MarianMTModel holding the weights of an attnlab Transformer (post-LN, shared, tied)."""
+    from attnlab.nn.positions import sinusoidal_table
+
+    cfg = model.config
+    if (cfg.norm_position, cfg.position_encoding, cfg.activation) != (
+        "post",
+        "sinusoidal",
+        "relu",
+    ) or not (cfg.share_embeddings and cfg.tie_output):
+        raise SystemExit(
+            "--model needs a post-LN, sinusoidal, ReLU model with shared, tied embeddings"
+        )
+    hf = marian_like(cfg, vocab_size)
+    ours = model.state_dict()
+    d = cfg.d_model
+    mapped = {"model.shared.weight": ours["src_embed.weight"]}
+    names = {"norm1": "self_attn_layer_norm", "ffn.fc1": "fc1", "ffn.fc2": "fc2"}
+    for side, n_layers in (("encoder", cfg.n_encoder_layers), ("decoder", cfg.n_decoder_layers)):
+        last = {"encoder": "norm2", "decoder": "norm3"}[side]
+        for i in range(n_layers):
+            a, b = f"{side}.layers.{i}.", f"model.{side}.layers.{i}."
+            for part in ("weight", "bias"):
+                q, k, v = ours[f"{a}self_attn.qkv_proj.{part}"].split(d)
+                mapped |= {f"{b}self_attn.q_proj.{part}": q, f"{b}self_attn.k_proj.{part}": k,
+                           f"{b}self_attn.v_proj.{part}": v,
+                           f"{b}self_attn.out_proj.{part}": ours[f"{a}self_attn.out_proj.{part}"],
+                           f"{b}final_layer_norm.{part}": ours[f"{a}{last}.{part}"]}  # fmt: skip
+                for ours_name, hf_name in names.items():
+                    mapped[f"{b}{hf_name}.{part}"] = ours[f"{a}{ours_name}.{part}"]
+                if side == "decoder":
+                    k, v = ours[f"{a}cross_attn.kv_proj.{part}"].split(d)
+                    mapped |= {f"{b}encoder_attn.q_proj.{part}": ours[f"{a}cross_attn.q_proj.{part}"],
+                               f"{b}encoder_attn.k_proj.{part}": k, f"{b}encoder_attn.v_proj.{part}": v,
+                               f"{b}encoder_attn.out_proj.{part}": ours[f"{a}cross_attn.out_proj.{part}"],
+                               f"{b}encoder_attn_layer_norm.{part}": ours[f"{a}norm2.{part}"]}  # fmt: skip
+    missing, unexpected = hf.load_state_dict(mapped, strict=False)
+    tied_or_fixed = ("embed_tokens", "lm_head", "embed_positions", "final_logits_bias")
+    left = [m for m in missing if not any(t in m for t in tied_or_fixed)]
+    if left or unexpected:
+        raise SystemExit(f"weights not mapped: {left or unexpected}")
+    with torch.no_grad():  # Marian puts all sines before all cosines; attnlab interleaves them
+        for side in (hf.model.encoder, hf.model.decoder):
+            table = side.embed_positions.weight
+            table.copy_(sinusoidal_table(table.shape[0], d))
+    return hf.eval()
+
+
+def check_same_logits(
+    ours: torch.nn.Module, hf: torch.nn.Module, src: torch.Tensor, mask: torch.Tensor
+) -> float:
+    """Largest logit difference of the two models on a teacher-forced batch (fails above 1e-3)."""
+    tgt = torch.cat(
+        (torch.full((src.shape[0], 1), ours.config.bos_id), src[:, :-1].clamp(min=3)), 1
+    )
+    with torch.inference_mode():
+        a = ours(src, tgt, src_mask=mask)["logits"]
+        b = hf(input_ids=src, attention_mask=mask.long(), decoder_input_ids=tgt).logits
+    diff = float((a - b).abs().max())
+    if diff > 1e-3:
+        raise SystemExit(f"HF copy differs from the attnlab model: max logit difference {diff}")
+    return diff
+
+
+def natural(args: argparse.Namespace) -> None:
+    """Trained weights in both systems, natural lengths; sentences/s, ratio and BLEU of each."""
+    import sacrebleu
+
+    from attnlab.decode import beam_search
+    from attnlab.tasks.translate import load_translation_model
+    from attnlab.text.parallel import encode_source, pad_batch
+
+    model, tokenizer = load_translation_model(args.model)
+    model.eval()
+    cfg = model.config
+    hf = marian_with_weights(model, cfg.tgt_vocab_size)
+    data = SHARED_DATA / "multi30k"
+    sources = read_gz_lines(data / "test_2016_flickr.de.gz")[: args.n]
+    refs = read_gz_lines(data / "test_2016_flickr.en.gz")[: args.n]
+    ids = [
+        encode_source(s, cfg.eos_id, cfg.max_positions)[0] for s in tokenizer.encode_batch(sources)
+    ]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]), reverse=True)
+    batches = []
+    for i in range(0, len(order), args.batch_size):
+        rows = order[i : i + args.batch_size]
+        src = pad_batch([ids[r] for r in rows], cfg.pad_id)
+        batches.append((rows, src, src != cfg.pad_id))
+    diff = check_same_logits(model, hf, batches[0][1], batches[0][2])
+    print(
+        f"machine: {machine()}; max logit difference attnlab vs HF copy: {diff:.2e}",
+        file=sys.stderr,
+    )
+
+    def run_ours() -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in ids]
+        for rows, src, mask in batches:
+            hyps = beam_search(model, src, mask, beam_size=args.beam, length_penalty=0.6,
+                               max_len_a=0.0, max_len_b=args.max_len)  # fmt: skip
+            for r, h in zip(rows, hyps, strict=True):
+                out[r] = h
+        return out
+
+    def run_hf() -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in ids]
+        with torch.inference_mode():
+            for rows, src, mask in batches:
+                gen = hf.generate(input_ids=src, attention_mask=mask.long(), num_beams=args.beam,
+                                  length_penalty=0.6, max_new_tokens=args.max_len + 1,
+                                  do_sample=False)  # fmt: skip
+                for r, row in zip(rows, gen.tolist(), strict=True):
+                    row = row[1:]  # decoder start token
+                    out[r] = (
+                        [t for t in row[: row.index(cfg.eos_id)] if t != cfg.pad_id]
+                        if cfg.eos_id in row
+                        else row
+                    )
+        return out
+
+    results = {}
+    for name, fn in (("hf marian generate", run_hf), ("attnlab beam_search", run_ours)):
+        fn()  # warm-up
+        t0 = time.perf_counter()
+        hyps = fn()
+        seconds = time.perf_counter() - t0
+        bleu = sacrebleu.corpus_bleu(tokenizer.decode_batch(hyps), [refs]).score
+        mean_len = sum(map(len, hyps)) / len(hyps)
+        results[name] = {"sentences_per_s": len(ids) / seconds, "seconds": seconds, "bleu": bleu,
+                         "mean_output_tokens": mean_len, "hyps": hyps}  # fmt: skip
+    same = sum(
+        a == b
+        for a, b in zip(
+            results["hf marian generate"]["hyps"],
+            results["attnlab beam_search"]["hyps"],
+            strict=True,
+        )
+    )
+    hf_speed = results["hf marian generate"]["sentences_per_s"]
+    print(f"{'decoder':22s} {'sent/s':>9s} {'seconds':>8s} {'BLEU':>6s} {'vs HF':>7s}")
+    for name, r in results.items():
+        print(f"{name:22s} {r['sentences_per_s']:9.2f} {r['seconds']:8.2f} {r['bleu']:6.2f} "
+              f"{r['sentences_per_s'] / hf_speed:6.2f}x")  # fmt: skip
+    for r in results.values():
+        del r["hyps"]
+    print(json.dumps({"bench": "translate-natural", "model": str(args.model), "sentences": len(ids),
+                      "threads": args.threads, "batch_size": args.batch_size, "beam": args.beam,
+                      "max_len": args.max_len, "identical_outputs": same, "max_logit_diff": diff,
+                      "ratio_vs_hf": results["attnlab beam_search"]["sentences_per_s"] / hf_speed,
+                      "results": results}))  # fmt: skip
+
+
 def main() -> None:
     """Decode the same batches with both systems and print sentences/s and the ratio."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -83,8 +242,13 @@ def main() -> None:
     parser.add_argument("--out-len", type=int, default=30, help="tokens every hypothesis gets")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--no-uncached", action="store_true", help="skip the KV-cache-off run")
+    parser.add_argument("--model", help="trained attnlab translation model: natural lengths")
+    parser.add_argument("--max-len", type=int, default=60, help="--model: max output tokens")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.model:
+        natural(args)
+        return
 
     from attnlab.config import TransformerConfig
     from attnlab.decode import beam_search
