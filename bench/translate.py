@@ -79,6 +79,23 @@ def marian_like(config, vocab_size: int):
     return MarianMTModel(hf_config).eval()
 
 
+def length_sorted_batches(tokenizer, sources: list[str], config, batch_size: int) -> list[tuple]:
+    """Sources as (rows, ids, mask) batches, longest first; rows are their places in sources."""
+    from attnlab.text.parallel import encode_source, pad_batch
+
+    ids = [
+        encode_source(s, config.eos_id, config.max_positions)[0]
+        for s in tokenizer.encode_batch(sources)
+    ]
+    order = sorted(range(len(sources)), key=lambda i: len(ids[i]), reverse=True)
+    batches = []
+    for i in range(0, len(order), batch_size):
+        rows = order[i : i + batch_size]
+        src = pad_batch([ids[r] for r in rows], config.pad_id)
+        batches.append((rows, src, src != config.pad_id))
+    return batches
+
+
 def marian_with_weights(model: torch.nn.Module, vocab_size: int):
     """HF MarianMTModel holding the weights of an attnlab Transformer (post-LN, shared, tied)."""
     from attnlab.nn.positions import sinusoidal_table
@@ -149,7 +166,6 @@ def natural(args: argparse.Namespace) -> None:
 
     from attnlab.decode import beam_search
     from attnlab.tasks.translate import load_translation_model
-    from attnlab.text.parallel import encode_source, pad_batch
 
     model, tokenizer = load_translation_model(args.model)
     model.eval()
@@ -158,15 +174,7 @@ def natural(args: argparse.Namespace) -> None:
     data = SHARED_DATA / "multi30k"
     sources = read_gz_lines(data / "test_2016_flickr.de.gz")[: args.n]
     refs = read_gz_lines(data / "test_2016_flickr.en.gz")[: args.n]
-    ids = [
-        encode_source(s, cfg.eos_id, cfg.max_positions)[0] for s in tokenizer.encode_batch(sources)
-    ]
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]), reverse=True)
-    batches = []
-    for i in range(0, len(order), args.batch_size):
-        rows = order[i : i + args.batch_size]
-        src = pad_batch([ids[r] for r in rows], cfg.pad_id)
-        batches.append((rows, src, src != cfg.pad_id))
+    batches = length_sorted_batches(tokenizer, sources, cfg, args.batch_size)
     diff = check_same_logits(model, hf, batches[0][1], batches[0][2])
     print(
         f"machine: {machine()}; max logit difference attnlab vs HF copy: {diff:.2e}",
@@ -174,7 +182,7 @@ def natural(args: argparse.Namespace) -> None:
     )
 
     def run_ours() -> list[list[int]]:
-        out: list[list[int]] = [[] for _ in ids]
+        out: list[list[int]] = [[] for _ in sources]
         for rows, src, mask in batches:
             hyps = beam_search(model, src, mask, beam_size=args.beam, length_penalty=0.6,
                                max_len_a=0.0, max_len_b=args.max_len)  # fmt: skip
@@ -183,7 +191,7 @@ def natural(args: argparse.Namespace) -> None:
         return out
 
     def run_hf() -> list[list[int]]:
-        out: list[list[int]] = [[] for _ in ids]
+        out: list[list[int]] = [[] for _ in sources]
         with torch.inference_mode():
             for rows, src, mask in batches:
                 gen = hf.generate(input_ids=src, attention_mask=mask.long(), num_beams=args.beam,
@@ -206,7 +214,7 @@ def natural(args: argparse.Namespace) -> None:
         seconds = time.perf_counter() - t0
         bleu = sacrebleu.corpus_bleu(tokenizer.decode_batch(hyps), [refs]).score
         mean_len = sum(map(len, hyps)) / len(hyps)
-        results[name] = {"sentences_per_s": len(ids) / seconds, "seconds": seconds, "bleu": bleu,
+        results[name] = {"sentences_per_s": len(sources) / seconds, "seconds": seconds, "bleu": bleu,
                          "mean_output_tokens": mean_len, "hyps": hyps}  # fmt: skip
     same = sum(
         a == b
@@ -223,7 +231,7 @@ def natural(args: argparse.Namespace) -> None:
               f"{r['sentences_per_s'] / hf_speed:6.2f}x")  # fmt: skip
     for r in results.values():
         del r["hyps"]
-    print(json.dumps({"bench": "translate-natural", "model": str(args.model), "sentences": len(ids),
+    print(json.dumps({"bench": "translate-natural", "model": str(args.model), "sentences": len(sources),
                       "threads": args.threads, "batch_size": args.batch_size, "beam": args.beam,
                       "max_len": args.max_len, "identical_outputs": same, "max_logit_diff": diff,
                       "ratio_vs_hf": results["attnlab beam_search"]["sentences_per_s"] / hf_speed,
@@ -254,7 +262,6 @@ def main() -> None:
     from attnlab.decode import beam_search
     from attnlab.models.seq2seq import Transformer
     from attnlab.text.bpe import train_bpe
-    from attnlab.text.parallel import encode_source, pad_batch
 
     data = SHARED_DATA / "multi30k"
     start = time.perf_counter()
@@ -276,18 +283,11 @@ def main() -> None:
     n_ours = sum(p.numel() for p in ours.parameters())
     n_hf = sum(p.numel() for p in hf.parameters())
 
-    ids = [
-        encode_source(s, config.eos_id, config.max_positions)[0]
-        for s in tokenizer.encode_batch(sources)
-    ]
-    ids.sort(key=len, reverse=True)  # the same length-sorted batches for both
-    batches = []
-    for i in range(0, len(ids), args.batch_size):
-        src = pad_batch(ids[i : i + args.batch_size], config.pad_id)
-        batches.append((src, src != config.pad_id))
+    batches = length_sorted_batches(tokenizer, sources, config, args.batch_size)
+    n_tokens = sum(int(mask.sum()) for _, _, mask in batches)
     print(f"machine: {machine()}", file=sys.stderr)
     print(
-        f"{len(ids)} sentences (mean {sum(map(len, ids)) / len(ids):.1f} source tokens), "
+        f"{len(sources)} sentences (mean {n_tokens / len(sources):.1f} source tokens), "
         f"{len(batches)} batches of <= {args.batch_size}, beam {args.beam}, "
         f"{args.out_len} output tokens each; {args.preset}: vocab {tokenizer.vocab_size}, "
         f"params attnlab {n_ours / 1e6:.1f}M / HF {n_hf / 1e6:.1f}M; "
@@ -297,7 +297,7 @@ def main() -> None:
 
     def run_ours(use_cache: bool) -> list[int]:
         lengths = []
-        for src, mask in batches:
+        for _, src, mask in batches:
             hyps = beam_search(ours, src, mask, beam_size=args.beam, length_penalty=0.6,
                                max_len_a=0.0, max_len_b=args.out_len, use_cache=use_cache)  # fmt: skip
             lengths += [len(h) for h in hyps]
@@ -306,7 +306,7 @@ def main() -> None:
     def run_hf() -> list[int]:
         lengths = []
         with torch.inference_mode():
-            for src, mask in batches:
+            for _, src, mask in batches:
                 out = hf.generate(
                     input_ids=src,
                     attention_mask=mask.long(),
@@ -333,7 +333,7 @@ def main() -> None:
             best = min(best, time.perf_counter() - t0)
         if set(lengths) != {args.out_len}:
             raise SystemExit(f"{name}: output lengths {sorted(set(lengths))}, not {args.out_len}")
-        results[name] = {"sentences_per_s": len(ids) / best, "seconds": best}
+        results[name] = {"sentences_per_s": len(sources) / best, "seconds": best}
 
     hf_speed = results["hf marian generate"]["sentences_per_s"]
     print(f"{'decoder':22s} {'sent/s':>9s} {'seconds':>8s} {'vs HF':>7s}")
@@ -343,7 +343,7 @@ def main() -> None:
     summary = {
         "bench": "translate",
         "preset": args.preset,
-        "sentences": len(ids),
+        "sentences": len(sources),
         "threads": args.threads,
         "batch_size": args.batch_size,
         "beam": args.beam,
