@@ -3,11 +3,13 @@
 Both train bert-mini (MLM + NSP, seq 128, batch 32, AdamW lr 5e-4, warm-up 10%, linear decay)
 for the same number of minutes on the same data through the same pipeline (vocabulary,
 examples, dynamic masking, trainer, held-out set); only the model differs. Each first times a
-few steps to size its schedule to the time budget. The data: the Chinese corpus
-(../shared/data/zh-corpus) and English text (tinyshakespeare + WikiText-2 valid), documents
-interleaved so the fixed held-out tail (the last 400 documents) holds both languages.
+few steps to size its schedule to the time budget, which is also a hard stop. The data
+(--lang): the Chinese corpus (../shared/data/zh-corpus: reviews and headlines), English text
+(tinyshakespeare + WikiText-2 valid, interleaved), or both interleaved; the last 400 documents
+are held out. The attnlab run also saves its model (HF layout) in OUT/model.
 
-Usage: python bench/pretrain_quality.py --model attnlab|hf --minutes 30 --out DIR [--threads 1]
+Usage: python bench/pretrain_quality.py --model attnlab|hf --lang zh|en|both --minutes 30 --out DIR
+       [--threads 1]
 Run the two side by side (one thread each) so they share the machine's conditions.
 """
 
@@ -39,16 +41,17 @@ def documents(path: Path) -> list[list[str]]:
     return [[line] for line in text.splitlines() if line.strip()]
 
 
-def build_corpus(folder: Path) -> Path:
-    """One interleaved zh + en corpus file in BERT's layout (written once, then reused)."""
-    path = folder / "zh_en_corpus.txt"
-    if path.exists():
-        return path
-    from attnlab.text.pretraining import split_sentences
-
+def chinese_documents() -> list[list[str]]:
+    """The Chinese corpus: reviews (a document each) and headlines in groups of five."""
     zh = documents(SHARED_DATA / "zh-corpus/reviews.txt.gz")
     headlines = [line[0] for line in documents(SHARED_DATA / "zh-corpus/news-headlines.txt.gz")]
-    zh += [headlines[i : i + 5] for i in range(0, len(headlines), 5)]  # headline "documents"
+    return zh + [headlines[i : i + 5] for i in range(0, len(headlines), 5)]
+
+
+def english_documents() -> list[list[str]]:
+    """English text: tinyshakespeare speeches and WikiText-2 valid paragraphs, interleaved."""
+    from attnlab.text.pretraining import split_sentences
+
     with gzip.open(SHARED_DATA / "tinyshakespeare/input.txt.gz", "rt", encoding="utf-8") as f:
         play = [block.splitlines() for block in f.read().split("\n\n") if block.strip()]
     with gzip.open(SHARED_DATA / "wikitext-2/wiki.valid.tokens.gz", "rt", encoding="utf-8") as f:
@@ -57,15 +60,35 @@ def build_corpus(folder: Path) -> Path:
             for line in f
             if len(line.split()) > 10 and not line.strip().startswith("=")
         ]
-    en = play + wiki
-    mixed, ratio = [], max(1, len(zh) // len(en))
-    for i, doc in enumerate(zh):
+    return interleave(play, wiki)
+
+
+def interleave(many: list[list[str]], few: list[list[str]]) -> list[list[str]]:
+    """Spread the documents of `few` evenly through `many`, so any tail holds both."""
+    mixed, ratio = [], max(1, len(many) // len(few))
+    for i, doc in enumerate(many):
         mixed.append(doc)
-        if i % ratio == 0 and i // ratio < len(en):
-            mixed.append(en[i // ratio])
-    text = "\n\n".join("\n".join(s for s in doc if s.strip()) for doc in mixed if doc)
+        if i % ratio == 0 and i // ratio < len(few):
+            mixed.append(few[i // ratio])
+    return mixed
+
+
+def build_corpus(folder: Path, lang: str) -> Path:
+    """The corpus file of one language (or both interleaved) in BERT's layout, written once."""
+    path = folder / f"{lang}_corpus.txt"
+    if path.exists():
+        return path
+    if lang == "zh":
+        docs = chinese_documents()
+    elif lang == "en":
+        docs = english_documents()
+    else:
+        docs = interleave(chinese_documents(), english_documents())
+    text = "\n\n".join("\n".join(s for s in doc if s.strip()) for doc in docs if doc)
     folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(text + "\n", encoding="utf-8")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text + "\n", encoding="utf-8")
+    tmp.replace(path)
     return path
 
 
@@ -123,19 +146,22 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--lang", choices=("zh", "en", "both"), default="zh")
+    parser.add_argument("--vocab-size", type=int, help="default 21128 (zh, both), 8192 (en)")
     args = parser.parse_args()
+    vocab_size = args.vocab_size or (8192 if args.lang == "en" else 21128)
     torch.set_num_threads(args.threads)
 
     from attnlab.tasks.pretrain import PretrainOptions, build_model, prepare_data, run_tokenizer
     from attnlab.text.tokenizer import BertTokenizer
     from attnlab.train import TrainConfig, Trainer
 
-    data_dir = args.out.parent / "data"
-    corpus = build_corpus(data_dir)
+    data_dir = args.out.parent / f"data-{args.lang}"  # shared by the two models' runs
+    corpus = build_corpus(data_dir, args.lang)
     vocab_dir = data_dir / "vocab"
     opts = PretrainOptions(
         out=args.out, corpus=[corpus], preset=args.preset, batch_size=args.batch_size,
-        seq_len=args.seq_len, vocab_size=21128, eval_documents=400, eval_examples=512,
+        seq_len=args.seq_len, vocab_size=vocab_size, eval_documents=400, eval_examples=512,
         cache_dir=data_dir / "cache", progress=False,
     )  # fmt: skip
     if not (vocab_dir / "vocab.txt").exists():  # one vocabulary for both models
@@ -147,16 +173,21 @@ def main() -> None:
     ours = build_model(opts, tokenizer)
     model = ours if args.model == "attnlab" else HFAdapter(ours.config)
 
-    # Size the schedule to the budget: time a few steps of this model first.
-    probe = TrainConfig(
-        out_dir=args.out / "probe", steps=6, progress=False, save_every=0, overwrite=True
-    )
+    # Size the schedule to the budget from the pace of a short probe: the difference between
+    # an 8-step and a 2-step run, after a first 2-step run that pays one-time costs (imports,
+    # allocator warm-up). The budget itself is a hard stop.
     probe_model = (
         build_model(opts, tokenizer) if args.model == "attnlab" else HFAdapter(ours.config)
     )
-    start = time.perf_counter()
-    Trainer(probe_model, prepare_data(opts, [corpus], tokenizer).batches, probe).fit()
-    per_step = (time.perf_counter() - start) / 6
+    paces = []
+    for steps in (2, 2, 8):
+        probe = TrainConfig(
+            out_dir=args.out / "probe", steps=steps, progress=False, save_every=0, overwrite=True
+        )
+        start = time.perf_counter()
+        Trainer(probe_model, prepare_data(opts, [corpus], tokenizer).batches, probe).fit()
+        paces.append(time.perf_counter() - start)
+    per_step = max(1e-3, (paces[2] - paces[1]) / 6)
     steps = max(10, int(args.minutes * 60 / per_step))
     print(
         f"{args.model}: {per_step:.2f} s/step -> {steps} steps in {args.minutes} min",
@@ -166,22 +197,28 @@ def main() -> None:
     config = TrainConfig(
         out_dir=args.out / "run", steps=steps, lr=args.lr, warmup=steps // 10,
         log_every=max(1, steps // 100), eval_every=max(1, steps // 5), save_every=0,
-        overwrite=True, progress=False, seed=0,
+        overwrite=True, progress=False, seed=0, max_seconds=args.minutes * 60,
     )  # fmt: skip
     started = time.perf_counter()
     summary = Trainer(model, job.batches, config, job.evaluate).fit()
     result = {
         "bench": "pretrain_quality",
         "model": args.model,
+        "lang": args.lang,
         "machine": machine(),
         "preset": args.preset,
         "minutes": (time.perf_counter() - started) / 60,
-        "steps": steps,
+        "steps": summary["step"],
+        "planned_steps": steps,
         "tokens_per_s": summary["tokens_per_s"],
         **summary["eval"],
     }
     print(json.dumps(result))
     (args.out / "result.json").write_text(json.dumps(result, indent=2))
+    if args.model == "attnlab":  # a checkpoint the fine-tuning benchmarks can start from
+        from attnlab.interop.hf import save_bert
+
+        save_bert(model.eval(), args.out / "model", tokenizer, overwrite=True)
 
 
 if __name__ == "__main__":

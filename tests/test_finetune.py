@@ -19,7 +19,13 @@ from attnlab.cli import main
 from attnlab.config import BertConfig
 from attnlab.interop.hf import save_bert
 from attnlab.models.bert import BertModel
-from attnlab.tasks.finetune import FinetuneOptions, LengthGroupedBatches, collate, finetune
+from attnlab.tasks.finetune import (
+    FinetuneOptions,
+    LengthGroupedBatches,
+    collate,
+    finetune,
+    read_examples,
+)
 from attnlab.text.tokenizer import BertTokenizer
 
 DATA = Path(__file__).parent / "data" / "finetune"
@@ -416,8 +422,34 @@ def test_squad_offsets_that_miss_the_context(tiny_dir, tmp_path, capsys):
     out = tmp_path / "out"
     args = finetune_args(tiny_dir, train, out, "--max-length", "64", "--doc-stride", "16")
     args[2] = "qa"
-    assert_one_error(run(capsys, *args), "q1", "not at offset")
+    assert_one_error(run(capsys, *args), "q1", "not at offset", "--fix-answer-offsets")
     assert not out.exists()
+
+
+def test_fix_answer_offsets_moves_wrong_offsets_and_drops_absent_answers(
+    tiny_dir, tmp_path, capsys
+):
+    data = json.loads((DATA / "squad.json").read_text())
+    qas = data["data"][0]["paragraphs"][0]["qas"]
+    qas[0]["answers"][0]["answer_start"] += 3  # q1: 'the Black Sea' really starts at 140
+    qas[1]["answers"][0]["text"] = "Zagreb"  # q2: not in the context at all
+    train = write(tmp_path / "cmrc_like.json", json.dumps(data))
+    settings = {"_scoring": False, "_fix_offsets": True}
+    examples = read_examples("qa", train, settings, labelled=True)
+    by_id = {example.id: example for example in examples}
+    assert "q2" not in by_id and len(examples) == 7
+    assert by_id["q1"].answers == [{"text": "the Black Sea", "answer_start": 140}]
+    scoring = read_examples("qa", train, {"_scoring": True}, labelled=True)
+    assert [e.other_answers for e in scoring if e.id == "q2"] == [["Zagreb"]]
+
+    out = tmp_path / "out"
+    args = finetune_args(tiny_dir, train, out, "--max-length", "64", "--doc-stride", "16")
+    args[2] = "qa"
+    code, _, err = run(capsys, *args, "--fix-answer-offsets")
+    assert code == 0, err
+    assert "moved 1 answer offset(s)" in err
+    assert "1 question(s) whose answer is not in the context are left out of training" in err
+    assert (out / "model.safetensors").is_file()
 
 
 def test_out_holding_files_is_refused(tiny_dir, tmp_path, capsys):

@@ -624,6 +624,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--doc-stride", type=int, help="qa: overlap of passage windows (128)")
     sub.add_argument("--max-answer-length", type=int, help="qa: longest answer in tokens (30)")
     sub.add_argument("--language", choices=("auto", "en", "zh"), help="qa: scoring rule")
+    sub.add_argument("--fix-answer-offsets", action="store_true", default=None,
+                     help="qa: move a training answer whose offset is wrong to where its "
+                     "text occurs (default: error)")  # fmt: skip
     sub.add_argument("--save-every", type=int)
     sub.add_argument("--keep-last", type=int)
     sub.add_argument("--log-every", type=int)

@@ -109,6 +109,7 @@ class FinetuneOptions:
     label_column: str = "label"
     tag_column: int = -1
     language: str = "auto"  # qa scoring: "en" (SQuAD), "zh" (CMRC 2018) or from the text
+    fix_answer_offsets: bool = False  # qa training: move a wrong answer offset, not fail
     new_head: bool = False
     eval_every: int | None = None  # None: after every epoch
     eval_batch_size: int = 64
@@ -184,12 +185,32 @@ def read_examples(task: str, path: Path, settings: dict[str, Any], labelled: boo
         )
     if task == "ner":
         return task_data.read_conll(path, tag_column=settings["tag_column"] if labelled else None)
+    # Training targets must sit where the file says unless the user lets wrong offsets move
+    # to the nearest occurrence of the answer text (CMRC 2018's trial set has 5 such
+    # answers); scoring always tolerates them, as the official scripts compare texts.
+    training = labelled and not settings["_scoring"]
+    fix = not training or settings.get("_fix_offsets", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        # Training targets must sit where the file says; scoring tolerates moved offsets.
-        examples = task_data.read_squad(path, fix_offsets=not labelled or settings["_scoring"])
+        try:
+            examples = task_data.read_squad(path, fix_offsets=fix)
+        except AttnlabError as err:
+            if fix:
+                raise
+            raise AttnlabError(
+                f"{err}; --fix-answer-offsets moves such answers to where their text occurs"
+            ) from None
     for warning in caught:
         _say(f"warning: {warning.message}")
+    if training:  # a question whose answer is nowhere in its context cannot be a target
+        # (A question with no answers at all stays: it trains the [CLS] "no answer" target.)
+        answerable = [e for e in examples if e.answers or not e.other_answers]
+        if len(answerable) < len(examples):
+            _say(
+                f"warning: {path}: {len(examples) - len(answerable)} question(s) whose answer "
+                "is not in the context are left out of training"
+            )
+        examples = answerable
     return examples
 
 
@@ -564,7 +585,7 @@ def prepare(opts: FinetuneOptions) -> FinetuneRun:
         opts.max_length = DEFAULT_MAX_LENGTH[opts.task]
     _check_out(opts)
     tokenizer = load_tokenizer(opts.model)
-    settings = {**opts.settings(), "_scoring": False}
+    settings = {**opts.settings(), "_scoring": False, "_fix_offsets": opts.fix_answer_offsets}
     _check_max_length(settings, opts.model)
     train = read_examples(opts.task, opts.train, settings, labelled=True)
     labels = label_set_of(opts.task, train)
