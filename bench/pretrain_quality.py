@@ -11,6 +11,7 @@ are held out. The attnlab run also saves its model (HF layout) in OUT/model.
 Usage: python bench/pretrain_quality.py --model attnlab|hf --lang zh|en|both --minutes 30 --out DIR
        [--threads 1]
 Run the two side by side (one thread each) so they share the machine's conditions.
+Plot finished runs: python bench/pretrain_quality.py plot IMAGE.png RUN_DIR...
 """
 
 from __future__ import annotations
@@ -135,8 +136,44 @@ class HFAdapter(nn.Module):
         }
 
 
+def plot_runs(runs: list[Path], image: Path) -> None:
+    """Training loss and held-out MLM accuracy against training minutes, one line per run."""
+    import matplotlib
+    import numpy as np
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for run in runs:
+        rows = [json.loads(line) for line in (run / "run/metrics.jsonl").open(encoding="utf-8")]
+        train = [r for r in rows if not r.get("eval")]
+        evals = [r for r in rows if r.get("eval")]
+        steps, minutes = [r["step"] for r in train], [r["elapsed_s"] / 60 for r in train]
+        label = run.name
+        loss_ax.plot(minutes, [r["loss"] for r in train], label=label)
+        acc_ax.plot(  # evaluation steps need not be logging steps: interpolate their time
+            [float(np.interp(r["step"], steps, minutes)) for r in evals],
+            [100 * r["eval_mlm_accuracy"] for r in evals],
+            marker="o",
+            label=label,
+        )
+    loss_ax.set_ylabel("training loss (MLM + NSP)")
+    acc_ax.set_ylabel("held-out MLM accuracy (%)")
+    for ax in (loss_ax, acc_ax):
+        ax.set_xlabel("training time (minutes)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(image.stem)
+    fig.tight_layout()
+    fig.savefig(image, dpi=110)
+
+
 def main() -> None:
     """Train one of the two models for the time budget and print its held-out metrics."""
+    if sys.argv[1:2] == ["plot"]:  # plot IMAGE RUN_DIR...: curves of finished runs
+        plot_runs([Path(run) for run in sys.argv[3:]], Path(sys.argv[2]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("attnlab", "hf"), required=True)
     parser.add_argument("--minutes", type=float, default=30)
