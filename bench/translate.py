@@ -20,7 +20,12 @@ as it does for users: attnlab drops a sentence from the batch when it ends, HF k
 running until its last sentence ends. Both outputs are scored with sacreBLEU against the
 references, so equal quality is shown, not assumed.
 
-Usage: python bench/translate.py [--n 500] [--threads 4] [--preset transformer-base]
+``--profile`` (forced-length mode) then runs each system once more under the torch profiler
+and prints where its time goes, by kind of operation. The matrix products of the projections
+and the output layer have the same shapes on both sides, so HF's time over its own time in
+them bounds the ratio any implementation doing the same arithmetic can reach.
+
+Usage: python bench/translate.py [--n 500] [--threads 4] [--preset transformer-base] [--profile]
        python bench/translate.py --model runs/m30k [--max-len 60]
 """
 
@@ -77,6 +82,56 @@ def marian_like(config, vocab_size: int):
         dropout=0.0,
     )
     return MarianMTModel(hf_config).eval()
+
+
+# Operator -> kind, for --profile (self CPU time; anything unlisted is "other").
+OP_KINDS = {
+    "aten::addmm": "projections (addmm/mm)",
+    "aten::mm": "projections (addmm/mm)",
+    "aten::bmm": "attention products (bmm/sdpa)",
+    "aten::baddbmm": "attention products (bmm/sdpa)",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention products (bmm/sdpa)",
+    "aten::_softmax": "softmax / log_softmax",
+    "aten::_log_softmax": "softmax / log_softmax",
+    "aten::topk": "top-k / sort",
+    "aten::sort": "top-k / sort",
+    "aten::index_select": "copies (cache growth, beam reorder)",
+    "aten::index": "copies (cache growth, beam reorder)",
+    "aten::cat": "copies (cache growth, beam reorder)",
+    "aten::copy_": "copies (cache growth, beam reorder)",
+    "aten::gather": "copies (cache growth, beam reorder)",
+}
+
+
+def time_by_kind(fn) -> dict[str, float]:
+    """Self CPU seconds of one call of fn, summed by OP_KINDS (plus "total")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    kinds: dict[str, float] = {}
+    for event in prof.key_averages():
+        kind = OP_KINDS.get(event.key, "other")
+        kinds[kind] = kinds.get(kind, 0.0) + event.self_cpu_time_total / 1e6
+    kinds["total"] = sum(kinds.values())
+    return kinds
+
+
+def print_profile(profiles: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Print each system's time by kind as shares of its total; returns the matmul bound."""
+    names = list(profiles)
+    kinds = sorted({k for p in profiles.values() for k in p} - {"total"})
+    print(f"{'kind of operation':38s}" + "".join(f"{n[:22]:>24s}" for n in names))
+    for kind in [*kinds, "total"]:
+        cells = ""
+        for name in names:
+            seconds = profiles[name].get(kind, 0.0)
+            cells += f"{seconds:10.2f} s {100 * seconds / profiles[name]['total']:10.1f}%"
+        print(f"{kind:38s}{cells}")
+    hf = profiles["hf marian generate"]
+    bound = hf["total"] / hf["projections (addmm/mm)"]
+    print(f"HF total / HF projection time = {bound:.2f}x: the ratio at zero cost beyond them")
+    return {"bound_at_zero_overhead": bound}
 
 
 def length_sorted_batches(tokenizer, sources: list[str], config, batch_size: int) -> list[tuple]:
@@ -252,6 +307,7 @@ def main() -> None:
     parser.add_argument("--no-uncached", action="store_true", help="skip the KV-cache-off run")
     parser.add_argument("--model", help="trained attnlab translation model: natural lengths")
     parser.add_argument("--max-len", type=int, default=60, help="--model: max output tokens")
+    parser.add_argument("--profile", action="store_true", help="time by kind of operation")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model:
@@ -352,6 +408,9 @@ def main() -> None:
         "ratio_vs_hf": results["attnlab beam_search"]["sentences_per_s"] / hf_speed,
         "results": results,
     }
+    if args.profile:
+        profiles = {name: time_by_kind(runs[name]) for name in list(runs)[:2]}
+        summary["profile"] = {**profiles, **print_profile(profiles)}
     print(json.dumps(summary))
 
 
