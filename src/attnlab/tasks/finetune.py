@@ -194,9 +194,7 @@ def read_examples(task: str, path: Path, settings: dict[str, Any], labelled: boo
         warnings.simplefilter("always")
         try:
             examples = task_data.read_squad(path, fix_offsets=fix)
-        except AttnlabError as err:
-            if fix:
-                raise
+        except task_data.AnswerOffsetError as err:
             raise AttnlabError(
                 f"{err}; --fix-answer-offsets moves such answers to where their text occurs"
             ) from None

@@ -617,6 +617,10 @@ def read_squad(path: str | Path, fix_offsets: bool = True) -> list[QAExample]:
     return examples
 
 
+class AnswerOffsetError(AttnlabError):
+    """An answer's offset does not point at its text (read_squad with fix_offsets=False)."""
+
+
 def _locate_answer(
     path: Path, qid: str, context: str, text: str, start: int, fix_offsets: bool
 ) -> int | None:
@@ -627,7 +631,7 @@ def _locate_answer(
         return start
     if not fix_offsets:
         shown = context[max(start, 0) : max(start, 0) + len(text)]
-        raise AttnlabError(
+        raise AnswerOffsetError(
             f"{path}: question {qid!r}: answer {text!r} is not at offset {start} "
             f"(the context there reads {shown!r})"
         )
