@@ -33,6 +33,8 @@ bench: $(STAMP)
 	$(PY) bench/embed.py
 	$(PY) bench/pretrain.py --preset bert-small --batch-size 32 --seq-len 128
 	$(PY) bench/pretrain.py --preset bert-base --batch-size 8 --seq-len 128
+	$(PY) bench/finetune.py --train-limit 4000
+	$(PY) bench/translate.py --preset transformer-small
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info
