@@ -95,11 +95,11 @@ OP_KINDS = {
     "aten::_log_softmax": "softmax / log_softmax",
     "aten::topk": "top-k / sort",
     "aten::sort": "top-k / sort",
-    "aten::index_select": "copies (cache growth, beam reorder)",
-    "aten::index": "copies (cache growth, beam reorder)",
-    "aten::cat": "copies (cache growth, beam reorder)",
-    "aten::copy_": "copies (cache growth, beam reorder)",
-    "aten::gather": "copies (cache growth, beam reorder)",
+    "aten::index_select": "copies (cat/index/copy_/gather)",
+    "aten::index": "copies (cat/index/copy_/gather)",
+    "aten::cat": "copies (cat/index/copy_/gather)",
+    "aten::copy_": "copies (cat/index/copy_/gather)",
+    "aten::gather": "copies (cat/index/copy_/gather)",
 }
 
 
