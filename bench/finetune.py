@@ -8,7 +8,9 @@ fp32:
 - HF (a): the plain loop of HF's examples: shuffled batches padded to the longest row of
   each batch (DataCollatorWithPadding);
 - HF (b): the same loop over length-grouped batches (transformers' LengthGroupedSampler,
-  what ``group_by_length=True`` gives).
+  what ``group_by_length=True`` gives) with the fused AdamW kernel (HF Trainer's default
+  optimizer on torch >= 2.8; attnlab's too). (a) keeps torch's default AdamW, as HF's
+  no-Trainer example does.
 
 Timed: the training loop only (tokenisation and dev scoring are not counted). Printed:
 examples/s and real tokens/s of each, attnlab's ratio to (a) and (b), dev accuracy, and
@@ -105,9 +107,13 @@ def run_hf(train: list[tuple[str, int]], dev: list[tuple[str, int]], lr: float, 
     labels = [y for _, y in train]
     decay = [p for n, p in model.named_parameters() if not ("bias" in n or "LayerNorm" in n)]
     no_decay = [p for n, p in model.named_parameters() if "bias" in n or "LayerNorm" in n]
+    # (a) is HF's no-Trainer example (torch's default AdamW: the foreach kernels); (b) stands
+    # for HF's Trainer with group_by_length, whose default optimizer on torch >= 2.8 is the
+    # fused AdamW kernel, as attnlab's.
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr,
+        **({"fused": True} if grouped else {}),
     )
     steps = -(-len(train) // BATCH)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(WARMUP * steps), steps)

@@ -107,6 +107,27 @@ def test_adamw_groups_exclude_biases_and_layernorm_and_count_tied_weights_once()
     assert model.mlm.word_embeddings.weight is model.bert.embeddings.word_embeddings.weight
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_adamw_steps_follow_the_decoupled_weight_decay_formula(fused: bool) -> None:
+    # Loshchilov & Hutter's AdamW, written out: decay p by lr*wd, then the bias-corrected
+    # Adam step. The fused kernel (the default) and the foreach path must both follow it.
+    torch.manual_seed(0)
+    model = nn.Linear(6, 4)
+    optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.1, fused=fused)
+    assert optimizer.param_groups[0].get("fused") is (True if fused else None)
+    (b1, b2), eps = optimizer.param_groups[0]["betas"], optimizer.param_groups[0]["eps"]
+    w = model.weight.detach().clone()
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    for t in (1, 2, 3):
+        grad = torch.randn_like(w)
+        model.weight.grad, model.bias.grad = grad.clone(), torch.zeros_like(model.bias)
+        optimizer.step()
+        w = w * (1 - 1e-2 * 0.1)
+        m, v = b1 * m + (1 - b1) * grad, b2 * v + (1 - b2) * grad**2
+        w = w - 1e-2 * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
+    torch.testing.assert_close(model.weight.detach(), w, rtol=1e-6, atol=1e-7)
+
+
 def test_adam_has_the_transformer_papers_settings() -> None:
     optimizer = build_optimizer(TinyClassifier(), lr=1.0, kind="adam")
     assert isinstance(optimizer, torch.optim.Adam) and len(optimizer.param_groups) == 1
