@@ -16,6 +16,7 @@ from torch import nn
 
 from attnlab.errors import AttnlabError
 from attnlab.nn.attention import (
+    KVBuffer,
     KVCache,
     MultiHeadAttention,
     apply_rotary,
@@ -267,37 +268,56 @@ def test_token_by_token_with_past_equals_full_causal_pass(use_rope: bool) -> Non
     with torch.no_grad():
         full_rope = rotary.rotary(torch.arange(seq)) if use_rope else None
         full, _, (k_full, v_full) = mha(x, causal=True, rope=full_rope)
-        past, steps = None, []
+        past, steps = KVBuffer(), []
         for t in range(seq):
             rope = rotary.rotary(torch.tensor([t])) if use_rope else None
-            out, _, past = mha(x[:, t : t + 1], causal=True, rope=rope, past=past)
+            out, _, (k, v) = mha(x[:, t : t + 1], causal=True, rope=rope, past=past)
             steps.append(out)
-    assert past[0].shape == (B, H, seq, D_HEAD)
+            assert past.length == t + 1 and k.shape == v.shape == (B, H, t + 1, D_HEAD)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(past[0], k_full, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(past[1], v_full, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(past.kv[0], k_full, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(past.kv[1], v_full, atol=1e-6, rtol=1e-6)
+
+
+def test_kv_buffer_grows_and_reorders_like_cat_and_index_select() -> None:
+    # The reference is what the buffer replaces: torch.cat per step, index_select per reorder.
+    torch.manual_seed(4)
+    buffer, ref_k, ref_v = KVBuffer(), torch.empty(3, H, 0, D_HEAD), torch.empty(3, H, 0, D_HEAD)
+    reorders = {5: [2, 0, 0], 9: [1, 1, 2], 20: [0, 2], 33: [1, 0, 0, 1]}  # rows change too
+    for step in range(40):  # past the first capacity (16) and its doubling (34)
+        rows = ref_k.shape[0]
+        k, v = torch.randn(rows, H, 1, D_HEAD), torch.randn(rows, H, 1, D_HEAD)
+        got_k, got_v = buffer.append(k, v)
+        ref_k, ref_v = torch.cat((ref_k, k), 2), torch.cat((ref_v, v), 2)
+        assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
+        if step in reorders:
+            index = torch.tensor(reorders[step])
+            buffer.select_rows(index)
+            ref_k, ref_v = ref_k.index_select(0, index), ref_v.index_select(0, index)
+            assert torch.equal(buffer.kv[0], ref_k) and torch.equal(buffer.kv[1], ref_v)
+    assert buffer.length == 40 and buffer.kv[0].shape == (4, H, 40, D_HEAD)
 
 
 def test_kv_cache_slots_length_and_reorder() -> None:
     cache = KVCache(n_layers=2)
-    assert cache.self_kv == [None, None] and cache.cross_kv == [None, None]
+    assert all(b.length == 0 for b in cache.self_kv) and cache.cross_kv == [None, None]
     assert cache.length == 0
     k = torch.arange(3.0).view(3, 1, 1, 1).expand(3, H, 4, D_HEAD).clone()
     v = -k
-    cache.self_kv[0] = (k, v)
+    cache.self_kv[0].append(k, v)
     cache.cross_kv[0] = (k + 10, v - 10)
     assert cache.length == 4
     cache.reorder(torch.tensor([2, 0, 0, 1]), torch.tensor([2, 0, 0, 1]))
-    sk, sv = cache.self_kv[0]
+    sk, sv = cache.self_kv[0].kv
     assert sk.shape == (4, H, 4, D_HEAD)
     assert sk[:, 0, 0, 0].tolist() == [2.0, 0.0, 0.0, 1.0]
     assert sv[:, 0, 0, 0].tolist() == [-2.0, 0.0, 0.0, -1.0]
     assert cache.cross_kv[0][0][:, 0, 0, 0].tolist() == [12.0, 10.0, 10.0, 11.0]
     assert cache.cross_kv[0][1][:, 0, 0, 0].tolist() == [-12.0, -10.0, -10.0, -11.0]
-    assert cache.self_kv[1] is None and cache.cross_kv[1] is None
+    assert cache.self_kv[1].length == 0 and cache.cross_kv[1] is None
     # every row of a selected sample is carried whole
     assert torch.equal(sk[0], k[2]) and torch.equal(sk[3], k[1])
     # without cross_index the cross-attention rows stay as they are (beams share them)
     cache.reorder(torch.tensor([3, 0]))
-    assert cache.self_kv[0][0][:, 0, 0, 0].tolist() == [1.0, 2.0]
+    assert cache.self_kv[0].kv[0][:, 0, 0, 0].tolist() == [1.0, 2.0]
     assert cache.cross_kv[0][0].shape[0] == 4

@@ -193,7 +193,7 @@ def test_cached_decoder_equals_full_pass(norm_position: str, use_rope: bool) -> 
             torch.testing.assert_close(cross_w[-1][:, :, 0], full_cross_w[-1][:, :, t])
     assert (torch.cat(steps, 1) - full).abs().max() < 1e-5
     for i in range(n_layers):
-        assert cache.self_kv[i][0].shape == (2, N_HEADS, tgt_len, D_HEAD)
+        assert cache.self_kv[i].kv[0].shape == (2, N_HEADS, tgt_len, D_HEAD)
         assert cache.cross_kv[i][0].shape == (2, N_HEADS, 5, D_HEAD)
 
 

@@ -92,6 +92,58 @@ def apply_rotary(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
+class KVBuffer:
+    """Self-attention keys and values (batch, heads, seq, d_head) of the positions decoded so far.
+
+    Kept with room to grow: a step writes its new positions into spare capacity instead of
+    concatenating (which copies the whole cache), and a beam reorder copies the filled
+    positions into a second buffer kept for that. So a decoding step copies the cache once,
+    not twice, and into memory already touched: fresh allocations of this size cost page
+    faults on CPU (cat + index_select vs this, 128 rows x 20 positions of transformer-base,
+    one thread: about 3 ms vs 0.6 ms per layer and tensor).
+    """
+
+    def __init__(self) -> None:
+        self.length = 0
+        self._kv: tuple[Tensor, Tensor] | None = None  # (batch, heads, capacity, d_head) each
+        self._spare: tuple[Tensor, Tensor] | None = None  # where the next reorder writes
+
+    @property
+    def kv(self) -> tuple[Tensor, Tensor]:
+        """(keys, values) of the filled positions: views (batch, heads, length, d_head)."""
+        if self._kv is None:
+            raise AttnlabError("the key/value buffer is empty")
+        k, v = self._kv
+        return k[:, :, : self.length], v[:, :, : self.length]
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Add the new positions' keys and values; returns all of them (see kv)."""
+        end = self.length + k.shape[2]
+        if self._kv is None or end > self._kv[0].shape[2]:
+            b, h, _, d = k.shape
+            grown = tuple(x.new_empty(b, h, max(2 * end, 16), d) for x in (k, v))
+            if self._kv is not None:
+                for old, buffer in zip(self.kv, grown, strict=True):
+                    buffer[:, :, : self.length] = old
+            self._kv, self._spare = grown, None
+        for new, buffer in zip((k, v), self._kv, strict=True):
+            buffer[:, :, self.length : end] = new
+        self.length = end
+        return self.kv
+
+    def select_rows(self, rows: Tensor) -> None:
+        """Keep/duplicate batch rows by index (beam reordering; finished sentences leaving)."""
+        if self._kv is None:
+            return
+        shape = (rows.shape[0], *self._kv[0].shape[1:])
+        if self._spare is None or self._spare[0].shape != shape:
+            self._spare = tuple(x.new_empty(shape) for x in self._kv)
+        for old, target in zip(self.kv, self._spare, strict=True):
+            torch.index_select(old, 0, rows, out=target[:, :, : self.length])
+        same_rows = shape[0] == self._kv[0].shape[0]
+        self._kv, self._spare = self._spare, (self._kv if same_rows else None)
+
+
 @dataclass
 class KVCache:
     """Keys and values of past positions for incremental decoding, one slot per layer.
@@ -102,20 +154,19 @@ class KVCache:
     """
 
     n_layers: int
-    self_kv: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
+    self_kv: list[KVBuffer] = field(default_factory=list)
     cross_kv: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.self_kv:
-            self.self_kv = [None] * self.n_layers
+            self.self_kv = [KVBuffer() for _ in range(self.n_layers)]
         if not self.cross_kv:
             self.cross_kv = [None] * self.n_layers
 
     @property
     def length(self) -> int:
         """Number of positions already cached."""
-        first = self.self_kv[0]
-        return 0 if first is None else first[0].shape[2]
+        return self.self_kv[0].length
 
     def reorder(self, index: Tensor, cross_index: Tensor | None = None) -> None:
         """Keep/duplicate batch rows: self-attention ones by index, cross-attention ones by cross_index.
@@ -124,13 +175,15 @@ class KVCache:
         they hold one row per sentence, shared by its beams, and change only when sentences
         leave the batch.
         """
-        self.self_kv = [_select_rows(kv, index) for kv in self.self_kv]
+        for buffer in self.self_kv:
+            buffer.select_rows(index)
         if cross_index is not None:
-            self.cross_kv = [_select_rows(kv, cross_index) for kv in self.cross_kv]
-
-
-def _select_rows(kv: tuple[Tensor, Tensor] | None, rows: Tensor) -> tuple[Tensor, Tensor] | None:
-    return None if kv is None else (kv[0].index_select(0, rows), kv[1].index_select(0, rows))
+            self.cross_kv = [
+                None
+                if kv is None
+                else (kv[0].index_select(0, cross_index), kv[1].index_select(0, cross_index))
+                for kv in self.cross_kv
+            ]
 
 
 def _group_size(q_rows: int, kv_rows: int, bias: Tensor | None) -> int:
@@ -193,14 +246,14 @@ class MultiHeadAttention(nn.Module):
         bias: Tensor | None = None,
         causal: bool = False,
         rope: tuple[Tensor, Tensor] | None = None,
-        past: tuple[Tensor, Tensor] | None = None,
+        past: KVBuffer | tuple[Tensor, Tensor] | None = None,
         need_weights: bool = False,
-    ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
+    ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor]]:
         """Attend from x (batch, q_len, d_model) to itself or to memory; returns (out, weights, kv).
 
-        ``past`` holds cached keys/values: for self-attention new ones are appended; for
-        cross-attention they are used as they are (memory may then be None). The returned kv
-        is what a cache should keep. Cross-attention keys/values may have fewer rows than x:
+        ``past`` holds cached keys/values: for self-attention a KVBuffer, which the new ones
+        are appended to; for cross-attention a (keys, values) pair used as it is (memory may
+        then be None). The returned kv are the keys and values attended to. Cross-attention keys/values may have fewer rows than x:
         each is then shared by x.shape[0] // rows consecutive query rows (the beams of one
         sentence), which attend to it together instead of to copies of it.
         """
@@ -219,8 +272,7 @@ class MultiHeadAttention(nn.Module):
             if rope is not None:
                 q, k = apply_rotary(q, rope), apply_rotary(k, rope)
             if past is not None:
-                k = torch.cat((past[0], k), dim=2)
-                v = torch.cat((past[1], v), dim=2)
+                k, v = past.append(k, v)
         dropout_p = self.dropout if self.training else 0.0
         out, weights = scaled_dot_product_attention(q, k, v, bias, causal, dropout_p, need_weights)
         if group > 1:

@@ -118,13 +118,11 @@ class DecoderLayer(nn.Module):
 
         With a cache, x holds only the new positions; layer ``index``'s slots are read and updated.
         """
-        past = cache.self_kv[index] if cache is not None else None
+        past = cache.self_kv[index] if cache is not None else None  # appended to in place
         h = self.norm1(x) if self.pre_norm else x
-        h, self_w, kv = self.self_attn(
+        h, self_w, _ = self.self_attn(
             h, bias=self_bias, causal=True, rope=rope, past=past, need_weights=need_weights
         )
-        if cache is not None:
-            cache.self_kv[index] = kv
         x = self._residual(x, h, self.norm1)
 
         past = cache.cross_kv[index] if cache is not None else None
