@@ -253,9 +253,10 @@ class MultiHeadAttention(nn.Module):
 
         ``past`` holds cached keys/values: for self-attention a KVBuffer, which the new ones
         are appended to; for cross-attention a (keys, values) pair used as it is (memory may
-        then be None). The returned kv are the keys and values attended to. Cross-attention keys/values may have fewer rows than x:
-        each is then shared by x.shape[0] // rows consecutive query rows (the beams of one
-        sentence), which attend to it together instead of to copies of it.
+        then be None). The returned kv are the keys and values attended to. Cross-attention
+        keys/values may have fewer rows than x: each is then shared by x.shape[0] // rows
+        consecutive query rows (the beams of one sentence), which attend to it together
+        instead of to copies of it.
         """
         group = 1
         if self.cross:
