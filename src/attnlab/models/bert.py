@@ -22,6 +22,8 @@ from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.nn.attention import padding_bias
 from attnlab.nn.blocks import ACTIVATION_FUNCTIONS, Encoder
+from attnlab.nn.dropout import Dropout
+from attnlab.nn.loss import summed_cross_entropy
 from attnlab.nn.positions import build_position_encoding
 
 
@@ -60,7 +62,7 @@ class BertEmbeddings(nn.Module):
             rope_base=config.rope_base,
         )
         self.norm = nn.LayerNorm(width, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
         self.projection = nn.Linear(width, config.d_model) if width != config.d_model else None
 
     def forward(
@@ -238,10 +240,9 @@ class BertForPreTraining(nn.Module):
         logits = self.mlm(hidden[masked])  # (n_masked, vocab)
         result["mlm_logits"] = logits
         if mlm_normalizer is not None:
-            loss = F.cross_entropy(logits.float(), mlm_labels[masked], reduction="sum")
-            loss = loss / mlm_normalizer
+            loss = summed_cross_entropy(logits.float(), mlm_labels[masked]) / mlm_normalizer
         elif logits.numel():
-            loss = F.cross_entropy(logits.float(), mlm_labels[masked])
+            loss = summed_cross_entropy(logits.float(), mlm_labels[masked]) / len(logits)
         else:
             loss = hidden.sum() * 0.0
         result["mlm_loss"] = loss

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.models.bert import BertModel
+from attnlab.nn.dropout import Dropout
 
 PROBLEM_TYPES = ("single_label_classification", "regression")
 
@@ -62,7 +63,7 @@ class BertForSequenceClassification(nn.Module):
         self.num_labels = num_labels
         self.problem_type = problem_type
         self.bert = BertModel(config, add_pooler=True)
-        self.dropout = nn.Dropout(_dropout(config, classifier_dropout))
+        self.dropout = Dropout(_dropout(config, classifier_dropout))
         self.classifier = nn.Linear(config.d_model, num_labels)
         _init_head(self, self.classifier)
 
@@ -101,7 +102,7 @@ class BertForTokenClassification(nn.Module):
         self.config = config
         self.num_labels = num_labels
         self.bert = BertModel(config, add_pooler=False)
-        self.dropout = nn.Dropout(_dropout(config, classifier_dropout))
+        self.dropout = Dropout(_dropout(config, classifier_dropout))
         self.classifier = nn.Linear(config.d_model, num_labels)
         _init_head(self, self.classifier)
 

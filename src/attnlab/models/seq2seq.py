@@ -27,6 +27,7 @@ from attnlab.config import TransformerConfig
 from attnlab.errors import AttnlabError
 from attnlab.nn.attention import KVCache, MultiHeadAttention, padding_bias
 from attnlab.nn.blocks import Decoder, Encoder
+from attnlab.nn.dropout import Dropout
 from attnlab.nn.positions import PositionEncoding, build_position_encoding
 
 
@@ -72,7 +73,7 @@ class Transformer(nn.Module):
         self.embed_scale = math.sqrt(c.d_model)
         self.src_positions = self._positions(bidirectional=True)
         self.tgt_positions = self._positions(bidirectional=False)  # the decoder sees only the past
-        self.dropout = nn.Dropout(c.dropout)
+        self.dropout = Dropout(c.dropout)
         layer_args = dict(
             d_model=c.d_model,
             n_heads=c.n_heads,

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.errors import AttnlabError
+from attnlab.nn.dropout import dropout
 
 
 def causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> Tensor:
@@ -57,26 +58,32 @@ def scaled_dot_product_attention(
     q_len, k_len = q.shape[-2], k.shape[-2]
     if causal and q_len == 1:
         causal = False  # one query at the newest position (a decoding step) sees every key
-    if causal and (bias is not None or q_len != k_len or need_weights):
+    # A single query (a decoding step) is one small matrix-vector product per head: two plain
+    # matmuls cost less there than the fused kernel's tiling (measured: bench/translate.py).
+    single_query = q_len == 1 and dropout_p == 0.0
+    # With dropout on CPU, SDPA falls back to its unfused math path and PyTorch's per-element
+    # bernoulli mask; the explicit path with attnlab's cheaper mask does the same work faster.
+    cpu_dropout = dropout_p > 0.0 and q.device.type == "cpu"
+    explicit = need_weights or single_query or cpu_dropout
+    if causal and (bias is not None or q_len != k_len or explicit):
         # SDPA's is_causal aligns the mask top-left; cached decoding needs it bottom-right.
         future = ~causal_mask(q_len, k_len, q.device)
         causal_bias = torch.zeros(future.shape, dtype=q.dtype, device=q.device)
         causal_bias.masked_fill_(future, torch.finfo(q.dtype).min)
         bias = causal_bias if bias is None else bias + causal_bias
         causal = False
-    # A single query (a decoding step) is one small matrix-vector product per head: two plain
-    # matmuls cost less there than the fused kernel's tiling (measured: bench/translate.py).
-    single_query = q_len == 1 and dropout_p == 0.0
-    if not need_weights and not single_query:
+    if not explicit:
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=causal
         )
         return out, None
-    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    # Scale q (seq x d_head) rather than the scores (seq x seq); add the bias in place, which
+    # autograd allows because a matmul does not keep its output for the backward pass.
+    scores = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-2, -1))
     if bias is not None:
-        scores = scores + bias
+        scores.add_(bias)
     weights = torch.softmax(scores, dim=-1)
-    probs = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+    probs = dropout(weights, dropout_p)
     return torch.matmul(probs, v), weights if need_weights else None
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.nn.attention import KVCache, MultiHeadAttention
+from attnlab.nn.dropout import Dropout
 
 ACTIVATION_FUNCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,  # exact (erf) GELU, as BERT and HF's "gelu"
@@ -58,7 +59,7 @@ class EncoderLayer(nn.Module):
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.ffn = FeedForward(d_model, d_ff, activation)
         self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(
         self,
@@ -98,7 +99,7 @@ class DecoderLayer(nn.Module):
         self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.ffn = FeedForward(d_model, d_ff, activation)
         self.norm3 = nn.LayerNorm(d_model, eps=layer_norm_eps)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def _residual(self, x: Tensor, h: Tensor, norm: nn.LayerNorm) -> Tensor:
         return x + self.dropout(h) if self.pre_norm else norm(x + self.dropout(h))

@@ -30,6 +30,7 @@ from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.interop.hf import load_bert, read_config, read_weights
 from attnlab.models.bert import BertForPreTraining, count_parameters
+from attnlab.nn.loss import summed_cross_entropy
 from attnlab.tasks.pretrain import (
     PretrainOptions,
     bundled_corpus,
@@ -204,7 +205,7 @@ class DistillationModel(nn.Module):
         hidden = self.student.bert(input_ids, attention_mask, token_type_ids).last_hidden_state
         logits = self.student.mlm(hidden[masked])  # (n_masked, vocab): the sparse MLM head
         soft = soft_target_loss(logits, teacher_logits, self.temperature, divisor)
-        mlm = F.cross_entropy(logits.float(), mlm_labels[masked], reduction="sum") / divisor
+        mlm = summed_cross_entropy(logits.float(), mlm_labels[masked]) / divisor
         loss = self.alpha_ce * soft + self.alpha_mlm * mlm
         out = {"distill_loss": soft, "mlm_loss": mlm}
         if self.same_width:

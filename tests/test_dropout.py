@@ -1,0 +1,122 @@
+"""Dropout (attnlab.nn.dropout): the rate, the rescaling, the gradient, and dropout in attention.
+
+References: the definition of inverted dropout (drop with probability p, scale the rest by
+1 / (1 - p)), binomial tolerances for the rates, and eq. (1) of Vaswani et al. written out
+with the same mask for attention dropout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnlab.nn.attention import padding_bias, scaled_dot_product_attention
+from attnlab.nn.dropout import Dropout, drop_mask, dropout
+
+N = 1 << 20  # elements: the rate is then known to about 3e-4 (one standard error at p = 0.1)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_drop_rate_and_scale_follow_the_definition(p: float) -> None:
+    torch.manual_seed(0)
+    x = torch.rand(N) + 0.5
+    y = dropout(x, p)
+    dropped = y == 0
+    sd = math.sqrt(p * (1 - p) / N)
+    assert abs(dropped.float().mean().item() - p) < 5 * sd
+    rounded_p = round(p * 65536) / 65536  # the mask's resolution, documented in the module
+    assert torch.allclose(y[~dropped], x[~dropped] / (1 - rounded_p), rtol=1e-6, atol=0)
+
+
+def test_expectation_is_the_input() -> None:
+    torch.manual_seed(1)
+    ones = torch.ones(N)
+    mean = dropout(ones, 0.1).mean().item()
+    assert abs(mean - 1.0) < 5 * math.sqrt(0.1 * 0.9 / N) / 0.9
+
+
+def test_the_four_values_drawn_together_are_independent() -> None:
+    # One 64-bit draw gives four neighbouring elements: each lane has rate p, and two
+    # neighbours are dropped together at rate p^2, not more.
+    torch.manual_seed(2)
+    p = 0.3
+    drop = drop_mask((N // 4, 4), p, torch.device("cpu")).float()
+    sd = math.sqrt(p * (1 - p) / (N // 4))
+    for lane in range(4):
+        assert abs(drop[:, lane].mean().item() - p) < 5 * sd
+    both = (drop[:, 0] * drop[:, 1]).mean().item()
+    assert abs(both - p * p) < 5 * math.sqrt(p * p * (1 - p * p) / (N // 4))
+
+
+def test_gradient_is_masked_and_scaled_like_the_output() -> None:
+    torch.manual_seed(3)
+    x = torch.randn(64, 33, requires_grad=True)
+    y = dropout(x, 0.2)
+    upstream = torch.randn_like(y)
+    (y * upstream).sum().backward()
+    kept = y != 0
+    scale = 65536 / (65536 - round(0.2 * 65536))
+    expected = torch.where(kept, upstream * scale, torch.zeros_like(upstream))
+    torch.testing.assert_close(x.grad, expected, rtol=1e-6, atol=0)
+
+
+def test_evaluation_zero_and_one() -> None:
+    x = torch.randn(8, 8)
+    module = Dropout(0.5).eval()
+    assert module(x) is x
+    assert dropout(x, 0.0) is x
+    assert torch.equal(dropout(x, 1.0), torch.zeros_like(x))
+    assert module.p == 0.5 and module.state_dict() == {}
+
+
+def test_same_seed_same_mask() -> None:
+    x = torch.randn(100, 100)
+    torch.manual_seed(4)
+    a = dropout(x, 0.1)
+    torch.manual_seed(4)
+    b = dropout(x, 0.1)
+    assert torch.equal(a, b)
+
+
+def test_attention_dropout_equals_the_formula_with_the_same_mask() -> None:
+    # Training-mode attention on CPU: softmax(q k^T / sqrt(d) + bias), the mask's entries
+    # zeroed, the rest scaled, times v. The mask is redrawn from the same seed.
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 7, 8, generator=g) for _ in range(3))
+    keep = torch.ones(2, 7, dtype=torch.long)
+    keep[1, 5:] = 0
+    bias = padding_bias(keep, torch.float32)
+    torch.manual_seed(6)
+    out, _ = scaled_dot_product_attention(q, k, v, bias, dropout_p=0.25)
+    torch.manual_seed(6)
+    drop = drop_mask((2, 3, 7, 7), 0.25, torch.device("cpu"))
+    weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(8) + bias, dim=-1)
+    scale = 65536 / (65536 - round(0.25 * 65536))
+    expected = weights.masked_fill(drop, 0.0) * scale @ v
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_causal_attention_with_dropout_never_sees_the_future() -> None:
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=g) for _ in range(3))
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 4:] += 10.0
+    v2[:, :, 4:] -= 10.0
+    torch.manual_seed(8)
+    a, _ = scaled_dot_product_attention(q, k, v, causal=True, dropout_p=0.3)
+    torch.manual_seed(8)
+    b, _ = scaled_dot_product_attention(q, k2, v2, causal=True, dropout_p=0.3)
+    torch.testing.assert_close(a[:, :, :4], b[:, :, :4])
+    assert not torch.allclose(a[:, :, 4:], b[:, :, 4:])
+
+
+def test_matches_torch_dropout_in_distribution() -> None:
+    # Same rate and scale as F.dropout: equal means and equal fractions of zeros.
+    torch.manual_seed(9)
+    x = torch.rand(N) + 1.0
+    ours, theirs = dropout(x, 0.1), F.dropout(x, 0.1)
+    assert abs((ours == 0).float().mean() - (theirs == 0).float().mean()) < 0.003
+    assert abs(ours.mean() - theirs.mean()) < 0.003

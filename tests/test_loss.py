@@ -1,0 +1,52 @@
+"""Summed cross-entropy (attnlab.nn.loss) against PyTorch's own, in value and gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnlab.nn.loss import summed_cross_entropy
+
+
+@pytest.mark.parametrize("upstream", [1.0, 0.37])
+def test_value_and_gradient_equal_torch_cross_entropy(upstream: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(50, 1000, generator=g, dtype=torch.float64) * 4).requires_grad_()
+    target = torch.randint(0, 1000, (50,), generator=g)
+    target[:3] = 7  # repeated labels
+    ours = summed_cross_entropy(logits, target)
+    (ours * upstream).backward()
+    ours_grad, logits.grad = logits.grad, None
+    theirs = F.cross_entropy(logits, target, reduction="sum")
+    (theirs * upstream).backward()
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=0)
+    torch.testing.assert_close(ours_grad, logits.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_gradient_is_softmax_minus_onehot() -> None:
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0]], requires_grad=True)
+    summed_cross_entropy(logits, torch.tensor([1, 0])).backward()
+    e = torch.e**2 / (torch.e**2 + 3)
+    expected = torch.tensor([[0.25, -0.75, 0.25, 0.25], [e - 1, *(3 * [(1 - e) / 3])]])
+    torch.testing.assert_close(logits.grad, expected)
+
+
+def test_through_a_linear_layer_in_float32() -> None:
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(16, 300)
+    h, target = torch.randn(40, 16), torch.randint(0, 300, (40,))
+    summed_cross_entropy(layer(h), target).backward()
+    ours = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    F.cross_entropy(layer(h), target, reduction="sum").backward()
+    for a, p in zip(ours, layer.parameters(), strict=True):
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_second_backward_is_refused() -> None:
+    logits = torch.randn(3, 5, requires_grad=True)
+    loss = summed_cross_entropy(logits, torch.tensor([0, 1, 2]))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        loss.backward()
