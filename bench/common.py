@@ -61,3 +61,20 @@ def read_gz_lines(path: Path) -> list[str]:
     """Lines of a gzip UTF-8 file."""
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return f.read().splitlines()
+
+
+MALLOC_HELP = (
+    "allocator for every system in the run: 'keep' (attnlab's training default, "
+    "attnlab/train/malloc.py) or 'default' (glibc as it comes)"
+)
+
+
+def set_malloc(choice: str) -> None:
+    """Put every system of this process under one allocator setting ('keep' or 'default')."""
+    if choice == "default":
+        os.environ["ATTNLAB_MALLOC"] = "default"  # attnlab's trainer then leaves glibc alone
+        return
+    from attnlab.train.malloc import keep_freed_memory
+
+    if not keep_freed_memory():
+        raise SystemExit("--malloc keep: this C library cannot be tuned (glibc only)")

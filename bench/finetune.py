@@ -19,7 +19,11 @@ examples/s and real tokens/s of each, attnlab's ratio to (a) and (b), dev accura
 model FLOPs utilisation against the measured fp32 matmul peak (3x the forward FLOPs of the
 real, unpadded tokens, so padding counts as waste).
 
+All runs share one allocator setting (``--malloc``, as in bench/pretrain.py): attnlab's trainer
+tunes glibc's malloc for the process (attnlab/train/malloc.py), so HF is run under the same.
+
 Usage: python bench/finetune.py [--train-limit N] [--threads T] [--lr 3e-5] [--skip-plain]
+       [--malloc keep|default]
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import SHARED_DATA, machine, matmul_peak_flops
+from common import MALLOC_HELP, SHARED_DATA, machine, matmul_peak_flops, set_malloc
 from embed import model_flops
 
 BATCH, MAX_LENGTH, WARMUP = 32, 128, 0.1
@@ -165,9 +169,11 @@ def main() -> None:
     parser.add_argument(
         "--skip-plain", action="store_true", help="leave out HF (a), the slowest of the three runs"
     )
+    parser.add_argument("--malloc", choices=("keep", "default"), default="keep", help=MALLOC_HELP)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    set_malloc(args.malloc)
     train = read_sst2("train", args.train_limit)
     dev = read_sst2("dev", None)
     print(f"# {machine()}; SST-2 train {len(train)} rows, dev {len(dev)}", flush=True)
@@ -190,6 +196,7 @@ def main() -> None:
         "vs_hf_plain": ours / plain if plain else None,
         "vs_hf_grouped": ours / results["hf_grouped"]["examples_per_s"],
         "threads": torch.get_num_threads(),
+        "malloc": args.malloc,
         "peak_gflops": peak / 1e9,
         "runs": results,
     }

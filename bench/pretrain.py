@@ -8,8 +8,13 @@ the ratios, and each one's model FLOPs utilisation against the measured fp32 mat
 counting only the FLOPs the model must do (forward + backward = 3x forward, with the MLM
 vocabulary projection on masked positions only).
 
+Both systems run under the same allocator setting: ``--malloc keep`` (attnlab's training
+default, train/malloc.py: glibc keeps freed memory instead of faulting fresh pages in each
+step) or ``--malloc default`` (glibc as it comes). Comparing the two runs separates the
+allocator's gain from the model-side gain.
+
 Usage: python bench/pretrain.py [--preset bert-small] [--batch-size 32] [--seq-len 128]
-       [--steps 10] [--precision fp32|bf16] [--threads T]
+       [--steps 10] [--precision fp32|bf16] [--threads T] [--malloc keep|default]
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from contextlib import nullcontext
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine, matmul_peak_flops
+from common import MALLOC_HELP, machine, matmul_peak_flops, set_malloc
 
 MASK_RATE = 0.15
 
@@ -96,8 +101,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--malloc", choices=("keep", "default"), default="keep", help=MALLOC_HELP)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    set_malloc(args.malloc)
     torch.manual_seed(0)
 
     from attnlab.config import BertConfig
@@ -139,6 +146,7 @@ def main() -> None:
                 "seq_len": args.seq_len,
                 "precision": args.precision,
                 "threads": args.threads,
+                "malloc": args.malloc,
                 "peak_gflops": peak / 1e9,
                 "ratio": ratio,
                 "ratio_vs_foreach": ratio_foreach,
