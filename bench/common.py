@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gzip
 import os
 import platform
@@ -64,17 +65,24 @@ def read_gz_lines(path: Path) -> list[str]:
 
 
 MALLOC_HELP = (
-    "allocator for every system in the run: 'keep' (attnlab's training default, "
-    "attnlab/train/malloc.py) or 'default' (glibc as it comes)"
+    "glibc malloc for every system in the run: 'default' (as it comes) or 'keep' (freed "
+    "memory kept for reuse: no fresh pages faulted in for each step's large temporaries)"
 )
 
 
 def set_malloc(choice: str) -> None:
-    """Put every system of this process under one allocator setting ('keep' or 'default')."""
-    if choice == "default":
-        os.environ["ATTNLAB_MALLOC"] = "default"  # attnlab's trainer then leaves glibc alone
-        return
-    from attnlab.train.malloc import keep_freed_memory
+    """Put this process (every system it times) under one glibc malloc setting.
 
-    if not keep_freed_memory():
-        raise SystemExit("--malloc keep: this C library cannot be tuned (glibc only)")
+    'keep': serve every request from the heap (M_MMAP_MAX = 0; glibc still falls back to
+    mmap when the heap cannot grow) and trim it only above 2 GB free (M_TRIM_THRESHOLD; a C
+    int), so memory freed by one step is reused by the next instead of being unmapped and
+    faulted in, zeroed, again. HF's full-vocabulary MLM logits are such temporaries.
+    """
+    if choice == "default":
+        return
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        raise SystemExit("--malloc keep: glibc only")
+    libc = ctypes.CDLL(None)
+    m_trim_threshold, m_mmap_max = -1, -4  # glibc's malloc.h
+    if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1)):
+        raise SystemExit("--malloc keep: mallopt refused the setting")

@@ -19,11 +19,10 @@ examples/s and real tokens/s of each, attnlab's ratio to (a) and (b), dev accura
 model FLOPs utilisation against the measured fp32 matmul peak (3x the forward FLOPs of the
 real, unpadded tokens, so padding counts as waste).
 
-All runs share one allocator setting (``--malloc``, as in bench/pretrain.py): attnlab's trainer
-tunes glibc's malloc for the process (attnlab/train/malloc.py), so HF is run under the same.
+All runs share one allocator setting (``--malloc``, as in bench/pretrain.py).
 
 Usage: python bench/finetune.py [--train-limit N] [--threads T] [--lr 3e-5] [--skip-plain]
-       [--malloc keep|default]
+       [--malloc default|keep]
 """
 
 from __future__ import annotations
@@ -169,7 +168,9 @@ def main() -> None:
     parser.add_argument(
         "--skip-plain", action="store_true", help="leave out HF (a), the slowest of the three runs"
     )
-    parser.add_argument("--malloc", choices=("keep", "default"), default="keep", help=MALLOC_HELP)
+    parser.add_argument(
+        "--malloc", choices=("default", "keep"), default="default", help=MALLOC_HELP
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

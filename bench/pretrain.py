@@ -8,13 +8,13 @@ the ratios, and each one's model FLOPs utilisation against the measured fp32 mat
 counting only the FLOPs the model must do (forward + backward = 3x forward, with the MLM
 vocabulary projection on masked positions only).
 
-Both systems run under the same allocator setting: ``--malloc keep`` (attnlab's training
-default, train/malloc.py: glibc keeps freed memory instead of faulting fresh pages in each
-step) or ``--malloc default`` (glibc as it comes). Comparing the two runs separates the
-allocator's gain from the model-side gain.
+Both systems run under one allocator setting: ``--malloc default`` (glibc as it comes, as
+attnlab runs) or ``--malloc keep`` (glibc keeps freed memory, so no fresh pages are faulted in
+for each step's large temporaries; common.set_malloc). HF gains from ``keep`` (its
+full-vocabulary MLM logits are such temporaries); a run with it shows HF at its best.
 
 Usage: python bench/pretrain.py [--preset bert-small] [--batch-size 32] [--seq-len 128]
-       [--steps 10] [--precision fp32|bf16] [--threads T] [--malloc keep|default]
+       [--steps 10] [--precision fp32|bf16] [--threads T] [--malloc default|keep]
 """
 
 from __future__ import annotations
@@ -101,7 +101,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--malloc", choices=("keep", "default"), default="keep", help=MALLOC_HELP)
+    parser.add_argument(
+        "--malloc", choices=("default", "keep"), default="default", help=MALLOC_HELP
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     set_malloc(args.malloc)

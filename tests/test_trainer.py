@@ -444,33 +444,3 @@ def test_two_ddp_processes_match_one_process_on_the_same_global_batch(tmp_path: 
     (line,) = [s for s in output.decode().splitlines() if s.startswith('{"step"')]
     summary = json.loads(line)
     assert summary["step"] == 6 and summary["loss"] == pytest.approx(single["loss"], abs=1e-5)
-
-
-FAULTS_SCRIPT = """
-import resource, sys, torch
-from attnlab.train.malloc import keep_freed_memory
-tuned = keep_freed_memory()
-for _ in range(2):  # warm-up: the heap grows to hold a 128 MB tensor
-    torch.ones(1 << 25).sum()  # 128 MB: above glibc's largest mmap threshold
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(10):
-    torch.ones(1 << 25).sum()
-print(tuned, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-"""
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="the tuning is for glibc on Linux")
-def test_kept_memory_is_reused_without_page_faults() -> None:
-    # Ten 128 MB tensors, made and freed one after another: glibc as it comes maps and faults
-    # in fresh pages for each (10 x 32,768 pages of 4 KB); tuned, the warm-up's are reused
-    # (the heap may still grow once, when a small block freed later splits the free space).
-    def faults(malloc: str) -> tuple[str, int]:
-        env = {**os.environ, "ATTNLAB_MALLOC": malloc}
-        out = subprocess.run([sys.executable, "-c", FAULTS_SCRIPT], env=env, text=True,
-                             capture_output=True, check=True).stdout.split()  # fmt: skip
-        return out[0], int(out[1])
-
-    tuned, default = faults("keep"), faults("default")
-    assert tuned[0] == "True" and default[0] == "False"
-    assert default[1] > 10 * 30_000
-    assert tuned[1] < 2 * 32_768

@@ -502,10 +502,8 @@ def bench_pretraining(
     compile: bool = False,
 ) -> dict[str, Any]:
     """Time `steps` training steps of a preset on synthetic data (after 2 warm-up steps)."""
-    from attnlab.train.malloc import keep_freed_memory
     from attnlab.train.optim import build_optimizer
 
-    tuned = keep_freed_memory()  # as the trainer does
     if steps < 1 or batch_size < 1 or seq_len < 3:
         raise AttnlabError("--steps and --batch-size must be >= 1 and --seq-len >= 3")
     torch.manual_seed(0)
@@ -530,7 +528,6 @@ def bench_pretraining(
         "precision": precision,
         "compile": compile,
         "threads": torch.get_num_threads(),
-        "malloc_tuned": tuned,
         "seconds_per_step": seconds,
         "tokens_per_s": batch_size * seq_len / seconds,
     }

@@ -49,7 +49,6 @@ from attnlab.train.distributed import (
     init_distributed,
 )
 from attnlab.train.log import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss_curve
-from attnlab.train.malloc import keep_freed_memory
 from attnlab.train.optim import build_optimizer, build_scheduler
 
 CHECKPOINT_DIR = "checkpoints"
@@ -173,7 +172,6 @@ class Trainer:
         """Train to config.steps (resuming if asked), evaluating, saving and plotting; a summary."""
         cfg = self.config
         self._started = time.perf_counter()
-        keep_freed_memory()  # later steps reuse the pages of earlier ones (train/malloc.py)
         seed_everything(cfg.seed + self.rank)  # ranks differ in dropout, as their data does
         self._open_run()
         start_step, self._session_tokens = self.step, 0
