@@ -32,6 +32,7 @@ from attnlab.train import (
     read_rows,
     seed_everything,
 )
+from attnlab.train.grads import KeptEmbeddingGrads
 
 HELPER = Path(__file__).with_name("_trainer_run.py")
 WALL_CLOCK = ("tokens_per_s", "elapsed_s")
@@ -254,6 +255,68 @@ def test_compiled_training_matches_eager_training(tmp_path: Path) -> None:
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
     assert compiled["loss"] == pytest.approx(eager["loss"], abs=1e-5)
+
+
+def test_kept_embedding_grads_train_like_fresh_dense_grads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    common = {"steps": 5, "grad_accum": 2, "batch_size": 4, "dropout": 0.0, "save_every": 0}
+    trainer, fresh = train(tmp_path / "fresh", **common)  # 16 x 16: below the size threshold
+    assert trainer._embedding_grads.modules == []
+    monkeypatch.setattr(KeptEmbeddingGrads, "MIN_ELEMENTS", 1)
+    sparse_seen: list[bool] = []
+    hook = TinyClassifier.forward
+
+    def forward(self: TinyClassifier, **batch: torch.Tensor) -> dict:
+        if self.training:
+            sparse_seen.append(self.embed.sparse)
+        return hook(self, **batch)
+
+    monkeypatch.setattr(TinyClassifier, "forward", forward)
+    trainer, kept = train(tmp_path / "kept", **common)
+    assert sparse_seen == [True] * 10  # every training micro-batch looked up sparsely
+    assert trainer.model.embed.sparse is False  # and the model is handed back as it came
+    a, b = _weights(tmp_path / "fresh", 5), _weights(tmp_path / "kept", 5)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)
+    assert kept["loss"] == pytest.approx(fresh["loss"], abs=1e-6)
+
+
+def test_kept_embedding_grads_equal_dense_ones_with_tied_weights_and_padding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(KeptEmbeddingGrads, "MIN_ELEMENTS", 1)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0)
+    config.attention_dropout = 0.0
+    model = BertForPreTraining(config).double()
+    ids = torch.randint(1, 50, (3, 2, 10))
+    ids[:, :, 7:] = 0  # padding: padding_idx 0 gets no gradient from the lookup
+    ids[:, :, 0] = 5  # a repeated token: its rows add up
+    labels = torch.where(torch.rand(3, 2, 10) < 0.3, ids, -100)
+    labels[:, :, 0] = 5  # at least one masked position per batch
+
+    def gradients() -> dict[str, torch.Tensor]:
+        for micro in range(3):  # accumulated over three micro-batches
+            mask = (ids[micro] != 0).long()
+            out = model(ids[micro], mask, mlm_labels=labels[micro], nsp_labels=torch.tensor([0, 1]))
+            out["loss"].backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    dense = gradients()
+    kept = KeptEmbeddingGrads(model)
+    word = model.bert.embeddings.word_embeddings
+    assert word in kept.modules and len(kept.weights) == len(kept.modules)  # tied: one buffer each
+    with kept:
+        for _ in range(2):  # the second step reuses (and re-zeroes) the first step's buffer
+            kept.attach()
+            sparse = gradients()
+            for name in dense:
+                torch.testing.assert_close(sparse[name], dense[name], atol=1e-12, rtol=1e-12)
+        assert word.sparse
+    assert not word.sparse
 
 
 def test_on_best_is_called_exactly_when_the_tracked_metric_improves(tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ from attnlab.train.distributed import (
     raise_together,
     shutdown_distributed,
 )
+from attnlab.train.grads import KeptEmbeddingGrads
 from attnlab.train.trainer import METRICS_FILE, TrainConfig, Trainer
 
 TOKENIZER_DIR = "tokenizer"  # inside the output: the vocabulary a resumed run must reuse
@@ -476,13 +477,24 @@ def synthetic_batch(
 
 
 def training_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, precision: str = "fp32"
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    precision: str = "fp32",
+    keep_grads: bool = True,
 ) -> Callable[[dict[str, torch.Tensor]], float]:
-    """The trainer's step (forward, backward, clip to 1.0, AdamW step) as a function of a batch."""
+    """The trainer's step (forward, backward, clip to 1.0, AdamW step) as a function of a batch.
+
+    As in the trainer, on CPU the large embeddings keep their gradient buffers
+    (``train/grads.py``) unless ``keep_grads`` is False (the trainer's choice under compile).
+    """
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    kept = KeptEmbeddingGrads(model) if keep_grads and on_cpu else None
 
     def step(batch: dict[str, torch.Tensor]) -> float:
-        with autocast:
+        if kept is not None:
+            kept.attach()
+        with autocast, kept or nullcontext():  # the lookups' kind is fixed in the forward pass
             loss = model(**batch)["loss"]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -512,7 +524,9 @@ def bench_pretraining(
         raise AttnlabError(f"--seq-len {seq_len} is above max positions ({config.max_positions})")
     model = BertForPreTraining(config).train()
     network = torch.compile(model) if compile else model  # compiled in the warm-up steps
-    step = training_step(network, build_optimizer(model, lr=1e-4), precision)
+    step = training_step(
+        network, build_optimizer(model, lr=1e-4), precision, keep_grads=not compile
+    )
     batch = synthetic_batch(config.vocab_size, batch_size, seq_len)
     step(batch)
     step(batch)

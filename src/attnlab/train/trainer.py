@@ -48,6 +48,7 @@ from attnlab.train.distributed import (
     gather_objects,
     init_distributed,
 )
+from attnlab.train.grads import KeptEmbeddingGrads
 from attnlab.train.log import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss_curve
 from attnlab.train.optim import build_optimizer, build_scheduler
 
@@ -152,6 +153,9 @@ class Trainer:
             # Compiled around DDP (not inside it) so DDP's gradient hooks still see every bucket;
             # checkpoints keep reading self.model, whose parameter names compile leaves alone.
             self.network = torch.compile(self.network)
+        # CPU, one process, eager: large embeddings keep their gradient buffers (train/grads.py).
+        keep_grads = self.device.type == "cpu" and self.world_size == 1 and not config.compile
+        self._embedding_grads = KeptEmbeddingGrads(self.model) if keep_grads else None
         self.step = 0
         self.tokens_seen = 0
         self.checkpoint_root = config.out_dir / CHECKPOINT_DIR
@@ -187,7 +191,7 @@ class Trainer:
             disable=not (cfg.progress and self.is_main),
         )
         try:
-            with _sigterm_as_interrupt():
+            with _sigterm_as_interrupt(), self._embedding_grads or contextlib.nullcontext():
                 self.model.train()
                 while self.step < cfg.steps and not self._out_of_time():
                     values, tokens = self._train_step(data)
@@ -240,6 +244,8 @@ class Trainer:
         cfg = self.config
         values: dict[str, Tensor] = {}
         tokens = 0
+        if self._embedding_grads is not None:
+            self._embedding_grads.attach()
         for micro in range(cfg.grad_accum):
             batch = next(data)
             tokens += self._tokens_in(batch)
