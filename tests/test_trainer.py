@@ -21,7 +21,7 @@ from torch import nn
 
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
-from attnlab.models.bert import BertForPreTraining
+from attnlab.models.bert import BertForPreTraining, BertModel
 from attnlab.train import (
     TensorBatches,
     TrainConfig,
@@ -282,41 +282,53 @@ def test_kept_embedding_grads_train_like_fresh_dense_grads(
     assert kept["loss"] == pytest.approx(fresh["loss"], abs=1e-6)
 
 
-def test_kept_embedding_grads_equal_dense_ones_with_tied_weights_and_padding(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.mark.parametrize("tied", [True, False])
+def test_kept_embedding_grads_equal_dense_ones(tied: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(KeptEmbeddingGrads, "MIN_ELEMENTS", 1)
     torch.manual_seed(0)
     config = BertConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0)
     config.attention_dropout = 0.0
-    model = BertForPreTraining(config).double()
+    model = (BertForPreTraining(config) if tied else BertModel(config)).double()
+    word = model.bert.embeddings.word_embeddings if tied else model.embeddings.word_embeddings
     ids = torch.randint(1, 50, (3, 2, 10))
     ids[:, :, 7:] = 0  # padding: padding_idx 0 gets no gradient from the lookup
     ids[:, :, 0] = 5  # a repeated token: its rows add up
     labels = torch.where(torch.rand(3, 2, 10) < 0.3, ids, -100)
     labels[:, :, 0] = 5  # at least one masked position per batch
+    probe = torch.randn(2, 10, 16, dtype=torch.float64)
 
-    def gradients() -> dict[str, torch.Tensor]:
+    def loss_of(micro: int) -> torch.Tensor:
+        mask = (ids[micro] != 0).long()
+        if tied:  # the MLM decoder shares the word embeddings
+            nsp = torch.tensor([0, 1])
+            return model(ids[micro], mask, mlm_labels=labels[micro], nsp_labels=nsp)["loss"]
+        out = model(ids[micro], mask)
+        return (out.last_hidden_state * probe).sum() + out.pooler_output.sum()
+
+    def gradients() -> tuple[dict[str, torch.Tensor], int]:
         for micro in range(3):  # accumulated over three micro-batches
-            mask = (ids[micro] != 0).long()
-            out = model(ids[micro], mask, mlm_labels=labels[micro], nsp_labels=torch.tensor([0, 1]))
-            out["loss"].backward()
+            loss_of(micro).backward()
         grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        where = word.weight.grad.data_ptr()
         model.zero_grad(set_to_none=True)
-        return grads
+        return grads, where
 
-    dense = gradients()
+    dense, _ = gradients()
     kept = KeptEmbeddingGrads(model)
-    word = model.bert.embeddings.word_embeddings
-    assert word in kept.modules and len(kept.weights) == len(kept.modules)  # tied: one buffer each
+    assert word in kept.modules and len(kept.weights) == len(kept.modules)  # tied: once each
+    stored = []
     with kept:
-        for _ in range(2):  # the second step reuses (and re-zeroes) the first step's buffer
-            kept.attach()
-            sparse = gradients()
+        for _ in range(2):  # the second step reuses (and re-zeroes) the first step's buffers
+            sparse, where = gradients()
+            stored.append(where)
             for name in dense:
                 torch.testing.assert_close(sparse[name], dense[name], atol=1e-12, rtol=1e-12)
         assert word.sparse
     assert not word.sparse
+    if tied:  # the decoder's dense gradient took the looked-up rows: no buffer needed
+        assert id(word.weight) not in kept.buffers
+    else:  # the rows went into the one kept buffer, both steps
+        assert stored[0] == stored[1] == kept.buffers[id(word.weight)].data_ptr()
 
 
 def test_on_best_is_called_exactly_when_the_tracked_metric_improves(tmp_path: Path) -> None:

@@ -484,7 +484,7 @@ def training_step(
 ) -> Callable[[dict[str, torch.Tensor]], float]:
     """The trainer's step (forward, backward, clip to 1.0, AdamW step) as a function of a batch.
 
-    As in the trainer, on CPU the large embeddings keep their gradient buffers
+    As in the trainer, on CPU the large embeddings' gradients avoid a fresh buffer each step
     (``train/grads.py``) unless ``keep_grads`` is False (the trainer's choice under compile).
     """
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
@@ -492,8 +492,6 @@ def training_step(
     kept = KeptEmbeddingGrads(model) if keep_grads and on_cpu else None
 
     def step(batch: dict[str, torch.Tensor]) -> float:
-        if kept is not None:
-            kept.attach()
         with autocast, kept or nullcontext():  # the lookups' kind is fixed in the forward pass
             loss = model(**batch)["loss"]
         loss.backward()

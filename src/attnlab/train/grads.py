@@ -1,29 +1,29 @@
-"""Embedding gradients kept from step to step (a CPU speed measure; the gradients are unchanged).
+"""Embedding gradients without a fresh (vocab, width) buffer each step (a CPU speed measure).
 
 A lookup's dense gradient is a fresh (vocab, width) tensor every backward pass: zero-filled,
 then the looked-up rows added in. On CPU, glibc hands a freed buffer that large (above its
 mmap threshold, at most 32 MB) back to the operating system, so every step page-faults it in
 again: for 30,522 x 384 floats about 40 ms against about 5 ms to zero a buffer that is kept
-(one thread), a sizeable share of a fine-tuning step on short sentences. HF transformers
-pays it every step.
+(one thread), a sizeable share of a fine-tuning step on short sentences. HF transformers pays
+it every step.
 
-While training, the large embeddings send sparse gradients (the looked-up rows only) and
-each such weight's ``.grad`` is a dense buffer kept across steps, zeroed before the step and
-added into. Optimisers, clipping, tied output projections and checkpoints see the same dense
-gradient as before; only where it is stored changes. (One difference: an embedding that no
-loss reached in a step has a zero gradient instead of none; the trainer's models use theirs
-every step.)
+While training, the large embeddings' lookups send sparse gradients (the looked-up rows).
+Where a dense gradient reaches the same weight in that backward pass (a tied output
+projection), autograd adds the rows into it in place; where the rows are all there is, a hook
+moves them into a dense buffer kept from step to step. Either way the optimiser, clipping and
+checkpoints see the same dense ``.grad`` as before; only where it is stored changes.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 
 class KeptEmbeddingGrads:
-    """Sparse lookups into dense ``.grad`` buffers kept across steps, for embeddings of at
-    least ``MIN_ELEMENTS`` weights; ``with`` turns the sparse lookups on (and off again after).
+    """Sparse lookups for embeddings of at least ``MIN_ELEMENTS`` weights, whose ``.grad`` still
+    ends dense; ``with`` turns it on for the model and off again after.
     """
 
     MIN_ELEMENTS = 1 << 20  # 4 MB of fp32: smaller tables gain nothing measurable
@@ -38,18 +38,27 @@ class KeptEmbeddingGrads:
             and m.weight.numel() >= self.MIN_ELEMENTS
         ]
         self.weights = list({id(m.weight): m.weight for m in self.modules}.values())  # tied once
-        self.buffers = [torch.zeros_like(w) for w in self.weights]
+        self.buffers: dict[int, Tensor] = {}  # id(weight) -> its kept dense gradient
+        self._hooks: list[RemovableHandle] = []
 
     def __enter__(self) -> KeptEmbeddingGrads:
         for module in self.modules:
             module.sparse = True
+        self._hooks = [w.register_post_accumulate_grad_hook(self._densify) for w in self.weights]
         return self
 
     def __exit__(self, *exc: object) -> None:
         for module in self.modules:
             module.sparse = False
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
-    def attach(self) -> None:
-        """Give each embedding weight its kept gradient buffer, zeroed (before a step's first backward)."""
-        for weight, buffer in zip(self.weights, self.buffers, strict=True):
-            weight.grad = buffer.zero_()
+    def _densify(self, weight: Tensor) -> None:
+        """Once autograd has stored a weight's gradient: a sparse one goes into the kept buffer."""
+        if weight.grad is None or not weight.grad.is_sparse:
+            return  # dense already: a tied projection's gradient took the rows in place
+        buffer = self.buffers.get(id(weight))
+        if buffer is None:
+            buffer = self.buffers[id(weight)] = torch.zeros_like(weight)
+        weight.grad = buffer.zero_().add_(weight.grad)

@@ -153,7 +153,7 @@ class Trainer:
             # Compiled around DDP (not inside it) so DDP's gradient hooks still see every bucket;
             # checkpoints keep reading self.model, whose parameter names compile leaves alone.
             self.network = torch.compile(self.network)
-        # CPU, one process, eager: large embeddings keep their gradient buffers (train/grads.py).
+        # CPU, one process, eager: no fresh embedding-gradient buffer each step (train/grads.py).
         keep_grads = self.device.type == "cpu" and self.world_size == 1 and not config.compile
         self._embedding_grads = KeptEmbeddingGrads(self.model) if keep_grads else None
         self.step = 0
@@ -244,8 +244,6 @@ class Trainer:
         cfg = self.config
         values: dict[str, Tensor] = {}
         tokens = 0
-        if self._embedding_grads is not None:
-            self._embedding_grads.attach()
         for micro in range(cfg.grad_accum):
             batch = next(data)
             tokens += self._tokens_in(batch)
