@@ -265,12 +265,12 @@ def test_kept_embedding_grads_train_like_fresh_dense_grads(
     assert trainer._embedding_grads.modules == []
     monkeypatch.setattr(KeptEmbeddingGrads, "MIN_ELEMENTS", 1)
     sparse_seen: list[bool] = []
-    hook = TinyClassifier.forward
+    original = TinyClassifier.forward
 
     def forward(self: TinyClassifier, **batch: torch.Tensor) -> dict:
         if self.training:
             sparse_seen.append(self.embed.sparse)
-        return hook(self, **batch)
+        return original(self, **batch)
 
     monkeypatch.setattr(TinyClassifier, "forward", forward)
     trainer, kept = train(tmp_path / "kept", **common)
