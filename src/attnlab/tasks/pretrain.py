@@ -37,7 +37,7 @@ from attnlab.train.distributed import (
     raise_together,
     shutdown_distributed,
 )
-from attnlab.train.grads import KeptEmbeddingGrads
+from attnlab.train.grads import kept_embedding_grads
 from attnlab.train.trainer import METRICS_FILE, TrainConfig, Trainer
 
 TOKENIZER_DIR = "tokenizer"  # inside the output: the vocabulary a resumed run must reuse
@@ -485,11 +485,10 @@ def training_step(
     """The trainer's step (forward, backward, clip to 1.0, AdamW step) as a function of a batch.
 
     As in the trainer, on CPU the large embeddings' gradients avoid a fresh buffer each step
-    (``train/grads.py``) unless ``keep_grads`` is False (the trainer's choice under compile).
+    (``train/grads.py: kept_embedding_grads``) unless ``keep_grads`` is False (as under compile).
     """
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    kept = KeptEmbeddingGrads(model) if keep_grads and on_cpu else None
+    kept = kept_embedding_grads(model) if keep_grads else None
 
     def step(batch: dict[str, torch.Tensor]) -> float:
         with autocast, kept or nullcontext():  # the lookups' kind is fixed in the forward pass

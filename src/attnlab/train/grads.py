@@ -62,3 +62,15 @@ class KeptEmbeddingGrads:
         if buffer is None:
             buffer = self.buffers[id(weight)] = torch.zeros_like(weight)
         weight.grad = buffer.zero_().add_(weight.grad)
+
+
+def kept_embedding_grads(
+    model: nn.Module, compiled: bool = False, distributed: bool = False
+) -> KeptEmbeddingGrads | None:
+    """KeptEmbeddingGrads for a model trained eagerly on CPU in one process, else None.
+
+    GPUs have no page-fault cost to save; DDP buckets dense gradients and compile traces the
+    lookups, so both keep them dense.
+    """
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    return KeptEmbeddingGrads(model) if on_cpu and not compiled and not distributed else None

@@ -48,7 +48,7 @@ from attnlab.train.distributed import (
     gather_objects,
     init_distributed,
 )
-from attnlab.train.grads import KeptEmbeddingGrads
+from attnlab.train.grads import kept_embedding_grads
 from attnlab.train.log import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss_curve
 from attnlab.train.optim import build_optimizer, build_scheduler
 
@@ -153,9 +153,10 @@ class Trainer:
             # Compiled around DDP (not inside it) so DDP's gradient hooks still see every bucket;
             # checkpoints keep reading self.model, whose parameter names compile leaves alone.
             self.network = torch.compile(self.network)
-        # CPU, one process, eager: no fresh embedding-gradient buffer each step (train/grads.py).
-        keep_grads = self.device.type == "cpu" and self.world_size == 1 and not config.compile
-        self._embedding_grads = KeptEmbeddingGrads(self.model) if keep_grads else None
+        # No fresh embedding-gradient buffer each step (CPU, one process, eager; train/grads.py).
+        self._embedding_grads = kept_embedding_grads(
+            self.model, compiled=config.compile, distributed=self.world_size > 1
+        )
         self.step = 0
         self.tokens_seen = 0
         self.checkpoint_root = config.out_dir / CHECKPOINT_DIR
