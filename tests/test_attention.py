@@ -321,3 +321,12 @@ def test_kv_cache_slots_length_and_reorder() -> None:
     cache.reorder(torch.tensor([3, 0]))
     assert cache.self_kv[0].kv[0][:, 0, 0, 0].tolist() == [1.0, 2.0]
     assert cache.cross_kv[0][0].shape[0] == 4
+
+
+def test_past_of_the_wrong_kind_is_a_clear_error() -> None:
+    x = torch.randn(2, 1, D_MODEL)
+    kv = (torch.randn(2, H, 3, D_HEAD), torch.randn(2, H, 3, D_HEAD))
+    with pytest.raises(AttnlabError, match="self-attention takes past as a KVBuffer"):
+        MultiHeadAttention(D_MODEL, H)(x, past=kv)
+    with pytest.raises(AttnlabError, match="cross-attention takes past as a"):
+        MultiHeadAttention(D_MODEL, H, cross=True)(x, past=KVBuffer())

@@ -268,6 +268,10 @@ class MultiHeadAttention(nn.Module):
         group = 1
         if self.cross:
             (q,) = self._heads(self.q_proj(x), 1)
+            if isinstance(past, KVBuffer):
+                raise AttnlabError(
+                    "cross-attention takes past as a (keys, values) pair, not a KVBuffer"
+                )
             if past is not None:
                 k, v = past
             else:
@@ -280,6 +284,11 @@ class MultiHeadAttention(nn.Module):
             if rope is not None:
                 q, k = apply_rotary(q, rope), apply_rotary(k, rope)
             if past is not None:
+                if not isinstance(past, KVBuffer):
+                    raise AttnlabError(
+                        "self-attention takes past as a KVBuffer (it grows each step), "
+                        f"not {type(past).__name__}"
+                    )
                 k, v = past.append(k, v)
         dropout_p = self.dropout if self.training else 0.0
         out, weights = scaled_dot_product_attention(q, k, v, bias, causal, dropout_p, need_weights)
