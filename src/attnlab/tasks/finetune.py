@@ -587,6 +587,7 @@ def prepare(opts: FinetuneOptions) -> FinetuneRun:
     _check_max_length(settings, opts.model)
     train = read_examples(opts.task, opts.train, settings, labelled=True)
     labels = label_set_of(opts.task, train)
+    torch.manual_seed(opts.seed)  # a fresh head's initial weights are part of the run
     model, labels, fresh = initial_model(opts, labels)
     train_data = featurise(opts.task, tokenizer, train, labels, settings, opts.train)
     evaluate = None
