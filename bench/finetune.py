@@ -171,6 +171,10 @@ class Interleaved:
                     self.block_seconds.append(now - self.block_started)
                 for other in self.others:
                     self.others_seconds += other.run(self.block)
+                if self.block_started is not None:  # progress: step, each run's last block
+                    theirs = " ".join(f"{o.block_seconds[-2]:.1f}" for o in self.others)
+                    print(f"# step {i}: last block attnlab {self.block_seconds[-1]:.1f} s, "
+                          f"HF {theirs} s", file=sys.stderr, flush=True)  # fmt: skip
                 self.block_started = time.perf_counter()
             yield batch
 

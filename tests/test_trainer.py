@@ -331,6 +331,55 @@ def test_kept_embedding_grads_equal_dense_ones(tied: bool, monkeypatch: pytest.M
         assert stored[0] == stored[1] == kept.buffers[id(word.weight)].data_ptr()
 
 
+def test_kept_buffer_rows_zeroing_and_clipping_equal_torchs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Steps that touch different rows (so a row left over from the step before would show),
+    # with micro-batches accumulated into the kept buffer; the reference is a dense lookup
+    # and torch's clip_grad_norm_.
+    monkeypatch.setattr(KeptEmbeddingGrads, "MIN_ELEMENTS", 1)
+    torch.manual_seed(1)
+    config = BertConfig(vocab_size=60, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0)
+    config.attention_dropout = 0.0
+    model = BertModel(config).double()
+    word = model.embeddings.word_embeddings
+    probe = torch.randn(2, 8, 16, dtype=torch.float64)
+    steps = [  # token ids of each micro-batch: each step its own rows
+        [torch.randint(1, 20, (2, 8)), torch.randint(20, 30, (2, 8))],
+        [torch.randint(30, 45, (2, 8))],
+        [
+            torch.randint(45, 60, (2, 8)),
+            torch.randint(1, 10, (2, 8)),
+            torch.randint(50, 60, (2, 8)),
+        ],
+    ]
+
+    def backward(micro_batches: list[torch.Tensor]) -> None:
+        for ids in micro_batches:
+            out = model(ids, torch.ones_like(ids))
+            ((out.last_hidden_state * probe).sum() + out.pooler_output.sum()).backward()
+
+    for max_norm in (0.5, 1e9, math.inf):  # clipped, not clipped, norm only
+        kept = KeptEmbeddingGrads(model)
+        with kept:
+            for micro_batches in steps:
+                with_rows = torch.cat([ids.flatten() for ids in micro_batches]).unique()
+                kept.__exit__()  # the reference: dense lookups, torch's clipping
+                backward(micro_batches)
+                dense_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                dense = {name: p.grad.clone() for name, p in model.named_parameters()}
+                model.zero_grad(set_to_none=True)
+                kept.__enter__()
+                backward(micro_batches)
+                assert torch.equal(kept.rows[id(word.weight)], with_rows)
+                assert word.weight.grad is kept.buffers[id(word.weight)]
+                norm = kept.clip_grad_norm_(model.parameters(), max_norm)
+                torch.testing.assert_close(norm, dense_norm, atol=1e-12, rtol=1e-12)
+                for name, p in model.named_parameters():
+                    torch.testing.assert_close(p.grad, dense[name], atol=1e-12, rtol=1e-12)
+                model.zero_grad(set_to_none=True)
+
+
 def test_on_best_is_called_exactly_when_the_tracked_metric_improves(tmp_path: Path) -> None:
     calls: list[float] = []
 

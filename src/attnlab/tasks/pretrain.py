@@ -494,7 +494,7 @@ def training_step(
         with autocast, kept or nullcontext():  # the lookups' kind is fixed in the forward pass
             loss = model(**batch)["loss"]
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        (kept.clip_grad_norm_ if kept else torch.nn.utils.clip_grad_norm_)(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())

@@ -12,9 +12,18 @@ Where a dense gradient reaches the same weight in that backward pass (a tied out
 projection), autograd adds the rows into it in place; where the rows are all there is, a hook
 moves them into a dense buffer kept from step to step. Either way the optimiser, clipping and
 checkpoints see the same dense ``.grad`` as before; only where it is stored changes.
+
+A kept buffer is zero outside the rows this step's lookups touched (a few hundred of a
+vocabulary's tens of thousands), and the buffer knows which: the next step zeroes only those
+rows, and ``clip_grad_norm_`` reads and scales only those rows instead of the whole table
+(whose norm and scaling are otherwise a pass each over it, every step).
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -39,12 +48,17 @@ class KeptEmbeddingGrads:
         ]
         self.weights = list({id(m.weight): m.weight for m in self.modules}.values())  # tied once
         self.buffers: dict[int, Tensor] = {}  # id(weight) -> its kept dense gradient
+        # id(weight) -> the rows its kept buffer may hold nonzero (unique), while it is .grad
+        self.rows: dict[int, Tensor] = {}
+        self._incoming: dict[int, list[Tensor | None]] = {}  # this backward's row indices
         self._hooks: list[RemovableHandle] = []
 
     def __enter__(self) -> KeptEmbeddingGrads:
         for module in self.modules:
             module.sparse = True
-        self._hooks = [w.register_post_accumulate_grad_hook(self._densify) for w in self.weights]
+        for w in self.weights:
+            self._hooks.append(w.register_hook(partial(self._note_rows, id(w))))
+            self._hooks.append(w.register_post_accumulate_grad_hook(self._densify))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -54,14 +68,66 @@ class KeptEmbeddingGrads:
             hook.remove()
         self._hooks = []
 
+    def _note_rows(self, key: int, grad: Tensor) -> None:
+        """Before autograd stores a gradient of the weight: note its rows (None: dense, any row)."""
+        self._incoming.setdefault(key, []).append(grad._indices()[0] if grad.is_sparse else None)
+
     def _densify(self, weight: Tensor) -> None:
         """Once autograd has stored a weight's gradient: a sparse one goes into the kept buffer."""
-        if weight.grad is None or not weight.grad.is_sparse:
-            return  # dense already: a tied projection's gradient took the rows in place
-        buffer = self.buffers.get(id(weight))
+        key = id(weight)
+        incoming = self._incoming.pop(key, [])
+        buffer = self.buffers.get(key)
+        if weight.grad is None:
+            return
+        if not weight.grad.is_sparse:
+            # Dense: a tied projection's gradient took the rows in place, or a later
+            # micro-batch's rows were added into the kept buffer by autograd.
+            known = self.rows.get(key)
+            if weight.grad is buffer and known is not None:
+                self._set_rows(key, [known, *incoming])
+            else:
+                self.rows.pop(key, None)
+            return
         if buffer is None:
-            buffer = self.buffers[id(weight)] = torch.zeros_like(weight)
-        weight.grad = buffer.zero_().add_(weight.grad)
+            buffer = self.buffers[key] = torch.zeros_like(weight)
+        elif key in self.rows:
+            buffer.index_fill_(0, self.rows[key], 0.0)  # zero outside these rows already
+        else:
+            buffer.zero_()
+        weight.grad = buffer.add_(weight.grad)
+        self._set_rows(key, incoming)
+
+    def _set_rows(self, key: int, parts: list[Tensor | None]) -> None:
+        """The buffer's rows are the union of parts; unknown (any row) if one part is None."""
+        if parts and all(part is not None for part in parts):
+            self.rows[key] = torch.cat(parts).unique()
+        else:
+            self.rows.pop(key, None)
+
+    def clip_grad_norm_(self, parameters: Iterable[Tensor], max_norm: float) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` (2-norm) that reads and scales only a kept buffer's rows."""
+        grads, rows = [], []
+        for p in parameters:
+            if p.grad is not None:
+                kept = p.grad is self.buffers.get(id(p))
+                grads.append(p.grad)
+                rows.append(self.rows.get(id(p)) if kept else None)
+        if not grads:
+            return torch.tensor(0.0)
+        # The rest of a kept buffer is zero: its norm is that of its rows.
+        norms = [
+            torch.linalg.vector_norm(g if r is None else g.index_select(0, r))
+            for g, r in zip(grads, rows, strict=True)
+        ]
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        if max_norm < math.inf:
+            scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch's clip_grad_norm_
+            for g, r in zip(grads, rows, strict=True):
+                if r is None:
+                    g.mul_(scale)
+                else:
+                    g.index_copy_(0, r, g.index_select(0, r).mul_(scale))
+        return total
 
 
 def kept_embedding_grads(

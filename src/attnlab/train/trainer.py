@@ -263,7 +263,9 @@ class Trainer:
                 value = value.detach().float() / cfg.grad_accum
                 values[key] = values[key] + value if key in values else value
         max_norm = cfg.clip_norm if cfg.clip_norm else math.inf
-        values["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        kept = self._embedding_grads  # knows which rows of its buffers hold gradient
+        clip = kept.clip_grad_norm_ if kept else torch.nn.utils.clip_grad_norm_
+        values["grad_norm"] = clip(self.model.parameters(), max_norm)
         self._last_lr = self.optimizer.param_groups[0]["lr"]  # the lr this step used
         self.optimizer.step()
         self.scheduler.step()
