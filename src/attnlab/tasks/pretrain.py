@@ -37,7 +37,7 @@ from attnlab.train.distributed import (
     raise_together,
     shutdown_distributed,
 )
-from attnlab.train.grads import kept_embedding_grads
+from attnlab.train.grads import clip_grad_norm_, kept_embedding_grads
 from attnlab.train.trainer import METRICS_FILE, TrainConfig, Trainer
 
 TOKENIZER_DIR = "tokenizer"  # inside the output: the vocabulary a resumed run must reuse
@@ -494,7 +494,7 @@ def training_step(
         with autocast, kept or nullcontext():  # the lookups' kind is fixed in the forward pass
             loss = model(**batch)["loss"]
         loss.backward()
-        (kept.clip_grad_norm_ if kept else torch.nn.utils.clip_grad_norm_)(model.parameters(), 1.0)
+        clip_grad_norm_(model.parameters(), 1.0, kept)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())

@@ -140,3 +140,12 @@ def kept_embedding_grads(
     """
     on_cpu = next(model.parameters()).device.type == "cpu"
     return KeptEmbeddingGrads(model) if on_cpu and not compiled and not distributed else None
+
+
+def clip_grad_norm_(
+    parameters: Iterable[Tensor], max_norm: float, kept: KeptEmbeddingGrads | None
+) -> Tensor:
+    """Scale gradients to a total 2-norm of at most max_norm; the norm before (kept's rows-only clip if any)."""
+    if kept is None:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    return kept.clip_grad_norm_(parameters, max_norm)

@@ -48,7 +48,7 @@ from attnlab.train.distributed import (
     gather_objects,
     init_distributed,
 )
-from attnlab.train.grads import kept_embedding_grads
+from attnlab.train.grads import clip_grad_norm_, kept_embedding_grads
 from attnlab.train.log import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss_curve
 from attnlab.train.optim import build_optimizer, build_scheduler
 
@@ -263,9 +263,9 @@ class Trainer:
                 value = value.detach().float() / cfg.grad_accum
                 values[key] = values[key] + value if key in values else value
         max_norm = cfg.clip_norm if cfg.clip_norm else math.inf
-        kept = self._embedding_grads  # knows which rows of its buffers hold gradient
-        clip = kept.clip_grad_norm_ if kept else torch.nn.utils.clip_grad_norm_
-        values["grad_norm"] = clip(self.model.parameters(), max_norm)
+        values["grad_norm"] = clip_grad_norm_(
+            self.model.parameters(), max_norm, self._embedding_grads
+        )
         self._last_lr = self.optimizer.param_groups[0]["lr"]  # the lr this step used
         self.optimizer.step()
         self.scheduler.step()
