@@ -494,6 +494,19 @@ def test_train_wordpiece_small_vocab_stays_within_size(tmp_path):
     assert tokenizer.vocab_size <= 40
 
 
+def test_train_wordpiece_alphabet_is_the_most_frequent_characters_ties_by_code_point(tmp_path):
+    """When the alphabet limit falls inside a tie, every run keeps the same characters."""
+    # "b" and "a" lead; 30 ideographs tie at 5 each and only 18 fit (limit (45 - 5) // 2 = 20).
+    ideographs = [chr(0x4E00 + 7 * i) for i in range(30)]
+    lines = ["a a a a a a b b b b b"] * 8 + [" ".join(ideographs)] * 5
+    corpus = tmp_path / "ties.txt"
+    corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    expected = {"a", "b", *ideographs[:18]}
+    for _ in range(3):  # the trainer's own cut picked a different 18 from run to run
+        vocab = train_wordpiece([corpus], vocab_size=45, min_frequency=1).vocab
+        assert {t for t in vocab if len(t) == 1} == expected
+
+
 def test_train_wordpiece_errors(tmp_path):
     with pytest.raises(AttnlabError, match="not found"):
         train_wordpiece([tmp_path / "missing.txt"], vocab_size=100)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import json
 import threading
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -428,7 +429,9 @@ def train_wordpiece(
 
     Specials take ids [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4. CJK ideographs are
     split one per token, so each one in the alphabet (the `limit_alphabet` most frequent
-    characters) becomes a token of its own.
+    characters, ties broken by code point) becomes a token of its own. Merges of equal count
+    can still differ from process to process: HF tokenizers numbers its ## pieces in hash-map
+    order and breaks such ties by those numbers (huggingface/tokenizers#1794).
     """
     paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
     if not paths:
@@ -447,12 +450,14 @@ def train_wordpiece(
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     # The trainer puts each alphabet character in the vocabulary twice (c and ##c) before
     # any merge and never drops them, so a large alphabet would overshoot vocab_size.
-    alphabet = min(limit_alphabet, (vocab_size - len(SPECIAL_TOKENS)) // 2)
+    limit = min(limit_alphabet, (vocab_size - len(SPECIAL_TOKENS)) // 2)
+    alphabet = _alphabet(paths, backend.normalizer, limit)
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
         special_tokens=list(SPECIAL_TOKENS),
-        limit_alphabet=alphabet,
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
         continuing_subword_prefix="##",
         show_progress=False,
     )
@@ -467,6 +472,22 @@ def train_wordpiece(
     rest = sorted(token for token in vocab if token not in SPECIAL_TOKENS)
     ordered = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *rest])}
     return BertTokenizer.from_vocab(ordered, lowercase=lowercase, strip_accents=strip_accents)
+
+
+def _alphabet(paths: list[Path], normalizer: normalizers.Normalizer, limit: int) -> list[str]:
+    """The `limit` most frequent characters of the normalised corpus, ties broken by code point.
+
+    The trainer's own cut keeps the most frequent characters too, but breaks ties in hash-map
+    order, so the same corpus gave different vocabularies from run to run; an initial alphabet
+    of exactly `limit` characters leaves it nothing to choose.
+    """
+    counts: Counter[str] = Counter()
+    for batch in _corpus_batches(paths):
+        counts.update(normalizer.normalize_str("\n".join(batch)))
+    ranked = sorted(
+        (item for item in counts.items() if not item[0].isspace()), key=lambda c: (-c[1], c[0])
+    )
+    return [char for char, _ in ranked[:limit]]
 
 
 def _corpus_batches(paths: list[Path], batch_size: int = 1000) -> Iterator[list[str]]:
