@@ -14,6 +14,15 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny models: a second only adds wake-up cost."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def minilm_dir() -> Path:
     """Directory of the real MiniLM BERT checkpoint (a test dependency; never skipped)."""

@@ -24,13 +24,7 @@ LAYER = dict(d_model=D_MODEL, n_heads=N_HEADS, d_ff=D_FF)
 NORMS = ["post", "pre"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tensors here are tiny: extra intra-op threads only add wake-up cost (large on busy CPUs)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def erf(x: np.ndarray) -> np.ndarray:

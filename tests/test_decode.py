@@ -22,13 +22,7 @@ from attnlab.models.seq2seq import Transformer
 PAD, BOS, EOS = 0, 1, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: extra intra-op threads only add wake-up cost on a busy CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def peaky_model(seed: int = 0, vocab: int = 15, **overrides) -> Transformer:

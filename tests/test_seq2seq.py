@@ -17,13 +17,7 @@ from attnlab.models.seq2seq import Transformer, label_smoothed_cross_entropy
 PAD, BOS, EOS = 0, 1, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: extra intra-op threads only add wake-up cost on a busy CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(seed: int = 0, **overrides) -> Transformer:
