@@ -261,9 +261,6 @@ def test_kept_embedding_grads_train_like_fresh_dense_grads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     common = {"steps": 5, "grad_accum": 2, "batch_size": 4, "dropout": 0.0, "save_every": 0}
-    trainer, fresh = train(tmp_path / "fresh", **common)  # 16 x 16: below the size threshold
-    assert trainer._embedding_grads.modules == []
-    monkeypatch.setattr(KeptEmbeddingGrads, "MIN_ELEMENTS", 1)
     sparse_seen: list[bool] = []
     original = TinyClassifier.forward
 
@@ -273,6 +270,10 @@ def test_kept_embedding_grads_train_like_fresh_dense_grads(
         return original(self, **batch)
 
     monkeypatch.setattr(TinyClassifier, "forward", forward)
+    _, fresh = train(tmp_path / "fresh", **common)
+    assert sparse_seen == [False] * 10  # 16 x 16: below the size threshold, dense gradients
+    monkeypatch.setattr(KeptEmbeddingGrads, "MIN_ELEMENTS", 1)
+    sparse_seen.clear()
     trainer, kept = train(tmp_path / "kept", **common)
     assert sparse_seen == [True] * 10  # every training micro-batch looked up sparsely
     assert trainer.model.embed.sparse is False  # and the model is handed back as it came
