@@ -569,3 +569,48 @@ def test_two_ddp_processes_match_one_process_on_the_same_global_batch(tmp_path: 
     (line,) = [s for s in output.decode().splitlines() if s.startswith('{"step"')]
     summary = json.loads(line)
     assert summary["step"] == 6 and summary["loss"] == pytest.approx(single["loss"], abs=1e-5)
+
+
+def _job_options(tmp_path: Path) -> list:
+    """One options object of each training job, valid as built."""
+    from attnlab.tasks.distill import DistillOptions
+    from attnlab.tasks.finetune import FinetuneOptions
+    from attnlab.tasks.pretrain import PretrainOptions
+    from attnlab.tasks.translate import TranslateOptions
+
+    return [
+        PretrainOptions(out=tmp_path / "p"),
+        DistillOptions(teacher=tmp_path / "t", out=tmp_path / "d", student_layers=2),
+        FinetuneOptions(
+            task="classify", model=tmp_path / "m", train=tmp_path / "f.tsv", out=tmp_path / "f"
+        ),
+        TranslateOptions(out=tmp_path / "tr"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"resume": True, "overwrite": True}, "--resume and --overwrite contradict"),
+        ({"precision": "fp16"}, "--precision must be one of fp32, bf16"),
+        ({"log_every": 0}, "--log-every must be at least 1"),
+    ],
+)
+def test_every_job_checks_the_shared_run_options(
+    tmp_path: Path, change: dict, message: str
+) -> None:
+    for opts in _job_options(tmp_path):
+        opts.validate()  # valid as built
+        for name, value in change.items():
+            setattr(opts, name, value)
+        with pytest.raises(AttnlabError, match=message):
+            opts.validate()
+
+
+def test_jobs_keep_their_own_run_defaults(tmp_path: Path) -> None:
+    pretrain, distill, finetune, translate = _job_options(tmp_path)
+    assert (pretrain.save_every, pretrain.keep_last, pretrain.eval_every) == (500, 3, 0)
+    assert (distill.save_every, distill.keep_last, distill.log_every) == (500, 3, 10)
+    assert (finetune.save_every, finetune.keep_last, finetune.eval_every) == (1000, 1, None)
+    assert (translate.keep_last, translate.log_every) == (5, 50)
+    assert translate.save_every == translate.eval_every == 100  # the bundled sample's

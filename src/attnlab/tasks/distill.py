@@ -40,6 +40,7 @@ from attnlab.tasks.pretrain import (
     trainer_config,
 )
 from attnlab.text.tokenizer import BertTokenizer
+from attnlab.train.config import RunOptions
 from attnlab.train.distributed import init_distributed, raise_together
 from attnlab.train.trainer import Evaluate, Trainer
 
@@ -265,9 +266,9 @@ def distillation_evaluation(evaluate: Evaluate) -> Evaluate:
 # ---------------------------------------------------------------------------- the recipe
 
 
-@dataclass
-class DistillOptions:
-    """Every setting of a distillation run (CLI flags and config-file keys use these names)."""
+@dataclass(kw_only=True)
+class DistillOptions(RunOptions):
+    """Settings of a distillation run (the shared ones in RunOptions), named as the CLI flags."""
 
     teacher: Path
     out: Path
@@ -283,21 +284,13 @@ class DistillOptions:
     alpha_ce: float = 5.0
     alpha_mlm: float = 2.0
     alpha_cos: float | None = None  # None: 1.0 when the widths match, else 0 (cannot compare)
-    save_every: int = 500
-    keep_last: int = 3
-    eval_every: int = 0
-    log_every: int = 10
-    resume: bool = False
-    overwrite: bool = False
-    seed: int = 0
-    precision: str = "fp32"
     compile: bool = False
     cache_dir: Path | None = None
-    progress: bool = True
     whole_word_masking: bool = False
 
     def validate(self) -> None:
         """Raise AttnlabError for impossible settings, before anything is read or written."""
+        super().validate()
         if (self.student_layers is None) == (self.student_preset is None):
             raise AttnlabError("give exactly one of --student-layers and --student-preset")
         for name in ("steps", "batch_size", "seq_len"):
@@ -309,8 +302,6 @@ class DistillOptions:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise AttnlabError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-        if self.resume and self.overwrite:
-            raise AttnlabError("--resume and --overwrite contradict each other: choose one")
         if Path(self.out).resolve() == Path(self.teacher).resolve():
             raise AttnlabError("--out must differ from --teacher")
 

@@ -48,7 +48,7 @@ from attnlab.io import check_out_dir, write_text_atomic
 from attnlab.tasks.pretrain import publish
 from attnlab.text import tasks as task_data
 from attnlab.text.tokenizer import BertTokenizer
-from attnlab.train.config import TrainConfig
+from attnlab.train.config import RunOptions, TrainConfig
 from attnlab.train.data import Batch
 from attnlab.train.distributed import barrier, init_distributed, shutdown_distributed
 from attnlab.train.trainer import METRICS_FILE, Trainer
@@ -84,9 +84,9 @@ def _say(message: str) -> None:
 # ---------------------------------------------------------------------------- options
 
 
-@dataclass
-class FinetuneOptions:
-    """Every setting of a fine-tuning run (CLI flags and config-file keys use these names)."""
+@dataclass(kw_only=True)
+class FinetuneOptions(RunOptions):
+    """Settings of a fine-tuning run (the shared ones in RunOptions), named as the CLI flags."""
 
     task: str
     model: Path
@@ -111,24 +111,20 @@ class FinetuneOptions:
     language: str = "auto"  # qa scoring: "en" (SQuAD), "zh" (CMRC 2018) or from the text
     fix_answer_offsets: bool = False  # qa training: move a wrong answer offset, not fail
     new_head: bool = False
-    eval_every: int | None = None  # None: after every epoch
     eval_batch_size: int = 64
     best_metric: str | None = None  # None: accuracy / pearson / f1 by task
-    log_every: int = 10
+    max_seconds: float | None = None
+    # RunOptions' settings whose defaults differ here
+    eval_every: int | None = None  # None: after every epoch
     save_every: int = 1000
     keep_last: int = 1
-    max_seconds: float | None = None
-    seed: int = 0
-    precision: str = "fp32"
-    resume: bool = False
-    overwrite: bool = False
-    progress: bool = True
 
     def validate(self) -> None:
         """Raise AttnlabError for impossible settings, before anything is read or written."""
+        super().validate()
         if self.task not in TASKS:
             raise AttnlabError(f"unknown task {self.task!r} (choose from {', '.join(TASKS)})")
-        for name in ("epochs", "batch_size", "eval_batch_size", "log_every", "max_answer_length"):
+        for name in ("epochs", "batch_size", "eval_batch_size", "max_answer_length"):
             if getattr(self, name) < 1:
                 raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
         if self.steps is not None and self.steps < 1:
@@ -137,8 +133,6 @@ class FinetuneOptions:
             raise AttnlabError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.language not in ("auto", "en", "zh"):
             raise AttnlabError(f"--language must be auto, en or zh, got {self.language!r}")
-        if self.resume and self.overwrite:
-            raise AttnlabError("--resume and --overwrite contradict each other: choose one")
 
     def settings(self) -> dict[str, Any]:
         """The data settings saved with the model (finetune.json)."""

@@ -30,6 +30,7 @@ from attnlab.models.bert import BertForPreTraining
 from attnlab.text.masking import MaskingCollator, static_generator
 from attnlab.text.pretraining import OBJECTIVES, Example, ExampleBuilder, TokenizedCorpus
 from attnlab.text.tokenizer import BertTokenizer, train_wordpiece
+from attnlab.train.config import RunOptions
 from attnlab.train.data import Batch
 from attnlab.train.distributed import (
     barrier,
@@ -204,9 +205,9 @@ def evaluation(
     return evaluate
 
 
-@dataclass
-class PretrainOptions:
-    """Every setting of a pretraining run (CLI flags and config-file keys use these names)."""
+@dataclass(kw_only=True)
+class PretrainOptions(RunOptions):
+    """Settings of a pretraining run (the shared ones in RunOptions), named as the CLI flags."""
 
     out: Path
     corpus: list[Path] = field(default_factory=list)
@@ -221,16 +222,8 @@ class PretrainOptions:
     whole_word_masking: bool = False
     static_masking: bool = False
     mask_prob: float = 0.15
-    save_every: int = 500
-    keep_last: int = 3
-    eval_every: int = 0
     eval_documents: int = 200
     eval_examples: int = 512
-    log_every: int = 10
-    resume: bool = False
-    overwrite: bool = False
-    seed: int = 0
-    precision: str = "fp32"
     compile: bool = False
     tokenizer: Path | None = None
     vocab_size: int = 8000
@@ -240,10 +233,10 @@ class PretrainOptions:
     share_layers: bool = False
     dropout: float | None = None  # None: the preset's 0.1 (hidden and attention dropout)
     cache_dir: Path | None = None
-    progress: bool = True
 
     def validate(self) -> None:
         """Raise AttnlabError for impossible settings, before anything is written."""
+        super().validate()
         if self.objective not in OBJECTIVES:
             raise AttnlabError(
                 f"unknown objective {self.objective!r} (choose from {', '.join(OBJECTIVES)})"
@@ -251,8 +244,6 @@ class PretrainOptions:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "vocab_size"):
             if getattr(self, name) < 1:
                 raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.resume and self.overwrite:
-            raise AttnlabError("--resume and --overwrite contradict each other: choose one")
 
 
 def check_out_dir(opts: PretrainOptions) -> None:

@@ -46,6 +46,7 @@ from attnlab.text.parallel import (
     read_parallel,
 )
 from attnlab.train.checkpoint import MODEL_FILE, complete_checkpoints
+from attnlab.train.config import RunOptions
 from attnlab.train.distributed import (
     barrier,
     init_distributed,
@@ -189,9 +190,9 @@ def translate_lines(
 # ---------------------------------------------------------------------------- training
 
 
-@dataclass
-class TranslateOptions:
-    """Every setting of a translation training run (CLI flags and config-file keys use these names)."""
+@dataclass(kw_only=True)
+class TranslateOptions(RunOptions):
+    """Settings of a translation run (the shared ones in RunOptions), named as the CLI flags."""
 
     out: Path
     train: list[Path] = field(default_factory=list)  # [src, tgt] or [tsv]; empty: bundled sample
@@ -209,17 +210,13 @@ class TranslateOptions:
     dropout: float | None = None
     label_smoothing: float | None = None
     average_last: int = 1  # > 1: the final model averages the last N checkpoints
+    eval_sentences: int = 200  # validation pairs translated for BLEU at each evaluation
+    eval_beam: int = 1  # greedy by default: fast enough to run often
+    # RunOptions' settings whose defaults differ here
     save_every: int | None = None  # None: 1000 (100 on the bundled sample)
     keep_last: int = 5
     eval_every: int | None = None  # None: 1000 (100 on the bundled sample)
-    eval_sentences: int = 200  # validation pairs translated for BLEU at each evaluation
-    eval_beam: int = 1  # greedy by default: fast enough to run often
     log_every: int = 50
-    resume: bool = False
-    overwrite: bool = False
-    seed: int = 0
-    precision: str = "fp32"
-    progress: bool = True
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -236,6 +233,7 @@ class TranslateOptions:
 
     def validate(self) -> None:
         """Raise AttnlabError for impossible settings, before anything is written."""
+        super().validate()
         if self.preset not in TRANSFORMER_PRESETS:
             raise AttnlabError(
                 f"unknown --preset {self.preset!r} (choose from {', '.join(TRANSFORMER_PRESETS)})"
@@ -255,8 +253,6 @@ class TranslateOptions:
             raise AttnlabError("--max-minutes must be > 0")
         if self.eval_sentences < 0:
             raise AttnlabError("--eval-sentences must be >= 0")
-        if self.resume and self.overwrite:
-            raise AttnlabError("--resume and --overwrite contradict each other: choose one")
 
 
 def _paths(value: Any, name: str) -> list[Path]:

@@ -1,4 +1,4 @@
-"""TrainConfig: every choice of a training run, with the papers' defaults, and seeding."""
+"""TrainConfig: every choice of a training run, with the papers' defaults; RunOptions; seeding."""
 
 from __future__ import annotations
 
@@ -90,6 +90,36 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """The fields as primitives (for trainer.pt and logs)."""
         return {**dataclasses.asdict(self), "out_dir": str(self.out_dir)}
+
+
+@dataclass(kw_only=True)
+class RunOptions:
+    """The settings every training job's options share (a job's class may change a default).
+
+    They pass through to TrainConfig; ``validate`` checks them before the job reads or writes
+    anything.
+    """
+
+    log_every: int = 10
+    eval_every: int | None = 0
+    save_every: int | None = 500
+    keep_last: int = 3
+    seed: int = 0
+    precision: str = "fp32"
+    resume: bool = False
+    overwrite: bool = False
+    progress: bool = True
+
+    def validate(self) -> None:
+        """Raise AttnlabError for an impossible run setting."""
+        if self.log_every < 1:
+            raise AttnlabError(f"--log-every must be at least 1, got {self.log_every}")
+        if self.precision not in PRECISIONS:
+            raise AttnlabError(
+                f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+            )
+        if self.resume and self.overwrite:
+            raise AttnlabError("--resume and --overwrite contradict each other: choose one")
 
 
 def seed_everything(seed: int) -> None:
