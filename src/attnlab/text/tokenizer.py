@@ -479,14 +479,18 @@ def _alphabet(paths: list[Path], normalizer: normalizers.Normalizer, limit: int)
 
     The trainer's own cut keeps the most frequent characters too, but breaks ties in hash-map
     order, so the same corpus gave different vocabularies from run to run; an initial alphabet
-    of exactly `limit` characters leaves it nothing to choose.
+    of exactly `limit` characters leaves it nothing to choose. BERT's normaliser works one
+    character at a time, so each distinct character is normalised once, not the whole corpus.
     """
-    counts: Counter[str] = Counter()
+    raw: Counter[str] = Counter()
     for batch in _corpus_batches(paths):
-        counts.update(normalizer.normalize_str("\n".join(batch)))
-    ranked = sorted(
-        (item for item in counts.items() if not item[0].isspace()), key=lambda c: (-c[1], c[0])
-    )
+        raw.update("".join(batch))
+    counts: Counter[str] = Counter()
+    for char, count in raw.items():
+        for piece in normalizer.normalize_str(char):
+            if not piece.isspace():
+                counts[piece] += count
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
     return [char for char, _ in ranked[:limit]]
 
 
