@@ -215,8 +215,8 @@ def test_distill_learns_and_writes_an_hf_checkpoint(teacher_dir, cache, tmp_path
     teacher_files = {p.name: p.read_bytes() for p in teacher_dir.iterdir()}
     out = tmp_path / "student"
     args = ["distill", "--teacher", str(teacher_dir), "--student-layers", "2", "--out", str(out)]
-    # 60 steps at lr 1e-3: agreement 0.19-0.35 over 12 seeds and both vocabularies the trainer still draws
-    # (30 steps at 5e-4 gave 0.12-0.49, and 0.12 failed CI's old "> 0.2")
+    # 60 steps at lr 1e-3: agreement 0.19-0.35 over 12 seeds and both vocabularies the trainer
+    # still draws (30 steps at 5e-4 gave 0.12-0.49, and 0.12 failed CI's old "> 0.2")
     args += [*SMALL, "--steps", "60", "--lr", "1e-3", "--eval-every", "20", "--save-every", "30"]
     assert main([*args, "--cache-dir", str(cache)]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
