@@ -6,7 +6,9 @@ weight decay 0.01, the fused kernel as HF's Trainer and attnlab use), threads an
 time with torch's default (foreach) AdamW kernel, as a hand-written loop gets. Prints tokens/s,
 the ratios, and each one's model FLOPs utilisation against the measured fp32 matmul peak,
 counting only the FLOPs the model must do (forward + backward = 3x forward, with the MLM
-vocabulary projection on masked positions only).
+vocabulary projection on masked positions only, and the last layer's queries, output
+projection and feed-forward at the masked positions and [CLS] only: no loss reads the others).
+It also prints the utilisation with the last layer counted at every position.
 
 Both systems run under one allocator setting: ``--malloc default`` (glibc as it comes, as
 attnlab runs) or ``--malloc keep`` (glibc keeps freed memory, so no fresh pages are faulted in
@@ -34,11 +36,20 @@ from common import MALLOC_HELP, machine, matmul_peak_flops, set_malloc
 MASK_RATE = 0.15
 
 
-def step_flops(config, batch: int, seq: int, masked: int) -> float:
-    """Training FLOPs of one step (3x forward), MLM projection on masked positions only."""
+def step_flops(config, batch: int, seq: int, masked: int, kept: int | None = None) -> float:
+    """Training FLOPs of one step (3x forward), MLM projection on masked positions only.
+
+    With ``kept`` (masked positions plus [CLS]) the last layer counts only what those rows
+    need: keys and values at every position, the rest at the kept rows alone.
+    """
     d, f, n, v = config.d_model, config.d_ff, config.n_layers, config.vocab_size
     tokens = batch * seq
-    encoder = n * (2 * tokens * (4 * d * d + 2 * d * f) + 4 * batch * seq * seq * d)
+
+    def layer(rows: int) -> int:  # one layer computing `rows` query rows over every key
+        return 2 * tokens * 2 * d * d + 2 * rows * (2 * d * d + 2 * d * f) + 4 * rows * seq * d
+
+    last = layer(tokens if kept is None else kept)
+    encoder = (n - 1) * layer(tokens) + last
     heads = 2 * masked * (d * d + d * v) + 2 * batch * (d * d + 2 * d)
     return 3 * (encoder + heads)
 
@@ -114,8 +125,13 @@ def main() -> None:
 
     config = BertConfig.preset(args.preset)
     data = synthetic_batch(config.vocab_size, args.batch_size, args.seq_len, MASK_RATE)
-    masked = int((data["mlm_labels"] != -100).sum())
-    flops = step_flops(config, args.batch_size, args.seq_len, masked)
+    masked_positions = data["mlm_labels"] != -100
+    masked = int(masked_positions.sum())
+    kept = int((masked_positions | (torch.arange(args.seq_len) == 0)).sum())
+    # "must do": the last layer at the masked positions and [CLS] only (what attnlab runs);
+    # dense_flops counts that layer at every position, as the FLOPs of both before 2026-11-30.
+    flops = step_flops(config, args.batch_size, args.seq_len, masked, kept)
+    dense_flops = step_flops(config, args.batch_size, args.seq_len, masked)
     peak = matmul_peak_flops()
     tokens = args.batch_size * args.seq_len
     print(f"machine: {machine()}; fp32 matmul peak {peak / 1e9:.1f} GFLOP/s", file=sys.stderr)
@@ -127,9 +143,11 @@ def main() -> None:
     }
     for name, build in runs.items():
         seconds = time_steps(build(), args.steps)
-        result[name] = {"tokens_per_s": tokens / seconds, "mfu": flops / seconds / peak}
+        mfu, dense_mfu = flops / seconds / peak, dense_flops / seconds / peak
+        result[name] = {"tokens_per_s": tokens / seconds, "mfu": mfu, "mfu_dense_last": dense_mfu}
         print(
-            f"{name:10s} {tokens / seconds:9.0f} tokens/s  MFU {flops / seconds / peak:6.1%}",
+            f"{name:10s} {tokens / seconds:9.0f} tokens/s  MFU {mfu:6.1%} "
+            f"(last layer counted at every position: {dense_mfu:6.1%})",
             file=sys.stderr,
         )
     ours = result["attnlab"]["tokens_per_s"]

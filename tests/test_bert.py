@@ -285,3 +285,98 @@ def test_mlm_only_model_has_no_unused_parameters(tmp_path):
     assert config["architectures"] == ["BertForMaskedLM"]
     again = load_bert(tmp_path / "mlm", heads=True)
     assert again.nsp is None
+
+
+# ------------------------------------------------ last layer at the kept positions only
+
+
+def _keep_mask(shape: tuple[int, int], seed: int) -> torch.Tensor:
+    """Random kept positions, [CLS] always kept, counts differing between rows."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(shape, generator=g) < 0.3
+    keep[:, 0] = True
+    keep[-1] = True  # one row keeps every position, the others fewer: padded queries
+    return keep
+
+
+def test_minilm_kept_positions_match_hf(minilm_dir, hf_minilm, hf_tokenizer):
+    batch = _batch(hf_tokenizer)
+    keep = _keep_mask(tuple(batch["input_ids"].shape), seed=1)
+    ours = load_bert(minilm_dir)
+    with torch.no_grad():
+        ref = hf_minilm(**batch)
+        out = ours(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], keep=keep)
+    assert out.last_hidden_state.shape == (int(keep.sum()), ours.config.d_model)
+    diff = (out.last_hidden_state - ref.last_hidden_state[keep]).abs().max().item()
+    assert diff <= 1e-5
+    assert (out.pooler_output - ref.pooler_output).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("encoding", POSITION_ENCODINGS)
+@pytest.mark.parametrize("norm_position, share", [("post", False), ("pre", True)])
+def test_kept_positions_equal_the_full_output(encoding, norm_position, share):
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=60, d_model=32, n_layers=3, n_heads=4, d_ff=64, max_positions=32,
+        position_encoding=encoding, norm_position=norm_position, share_layers=share,
+    )  # fmt: skip
+    model = BertModel(config).eval()
+    ids = torch.randint(1, 60, (4, 11))
+    mask = torch.ones_like(ids)
+    mask[0, 7:], mask[2, 4:] = 0, 0
+    keep = _keep_mask((4, 11), seed=2)
+    with torch.no_grad():
+        full = model(ids, mask)
+        part = model(ids, mask, keep=keep)
+    assert torch.allclose(part.last_hidden_state, full.last_hidden_state[keep], atol=1e-5)
+    assert torch.allclose(part.pooler_output, full.pooler_output, atol=1e-5)
+
+
+def test_pretraining_loss_and_gradients_unchanged_by_computing_only_kept_positions():
+    """With dropout off, the pruned last layer gives the loss and every gradient of the full one."""
+    torch.manual_seed(0)
+    config = BertConfig.preset("bert-tiny", vocab_size=80, dropout=0.0, attention_dropout=0.0)
+    model = BertForPreTraining(config).train()
+    ids = torch.randint(5, 80, (3, 16))
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    labels = torch.full_like(ids, -100)
+    labels[0, [2, 5, 9]] = torch.tensor([7, 8, 9])
+    labels[1, 4] = 10
+    labels[2, [1, 15]] = torch.tensor([11, 12])
+    nsp = torch.tensor([0, 1, 1])
+
+    out = model(ids, mask, mlm_labels=labels, nsp_labels=nsp)
+    out["loss"].backward()
+    pruned = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    # Reference written out here: every position through every layer, then the heads.
+    masked = labels != -100
+    full = model.bert(ids, mask)
+    logits = model.mlm(full.last_hidden_state[masked])
+    mlm = torch.nn.functional.cross_entropy(logits, labels[masked])
+    reference = mlm + torch.nn.functional.cross_entropy(model.nsp(full.pooler_output), nsp)
+    reference.backward()
+
+    assert torch.allclose(out["loss"], reference, atol=1e-6)
+    for name, p in model.named_parameters():
+        scale = p.grad.abs().max().item() + 1e-6
+        assert (pruned[name] - p.grad).abs().max().item() <= 1e-5 * scale, name
+
+
+def test_keep_is_checked():
+    model = BertModel(BertConfig.preset("bert-tiny", vocab_size=50)).eval()
+    ids = torch.randint(1, 50, (2, 6))
+    keep = torch.zeros_like(ids, dtype=torch.bool)
+    keep[:, 0] = True
+    with pytest.raises(AttnlabError, match="bool tensor shaped like input_ids"):
+        model(ids, keep=keep[:, :3])
+    with pytest.raises(AttnlabError, match="need_weights or output_hidden_states"):
+        model(ids, keep=keep, need_weights=True)
+    with pytest.raises(AttnlabError, match="position 0"):
+        model(ids, keep=torch.roll(keep, 1, dims=1))
+    with pytest.raises(AttnlabError, match="selects no position"):
+        BertModel(BertConfig.preset("bert-tiny", vocab_size=50), add_pooler=False)(
+            ids, keep=torch.zeros_like(keep)
+        )

@@ -31,7 +31,7 @@ from attnlab.nn.positions import build_position_encoding
 class BertOutput:
     """What BertModel returns; shapes use (batch, seq, d_model)."""
 
-    last_hidden_state: Tensor
+    last_hidden_state: Tensor  # (count, d_model) of the kept positions when keep is given
     pooler_output: Tensor | None
     hidden_states: list[Tensor] | None = None  # embeddings output, then each layer's output
     attentions: list[Tensor] | None = None  # per layer: (batch, heads, seq, seq)
@@ -148,14 +148,27 @@ class BertModel(nn.Module):
         token_type_ids: Tensor | None = None,
         need_weights: bool = False,
         output_hidden_states: bool = False,
+        keep: Tensor | None = None,
     ) -> BertOutput:
-        """Encode input_ids (batch, seq); attention_mask defaults to all ones, token_type_ids to zeros."""
+        """Encode input_ids (batch, seq); attention_mask defaults to all ones, token_type_ids to zeros.
+
+        ``keep`` (batch, seq, bool) names the positions whose final states the caller reads
+        (a classifier: [CLS]; the MLM loss: the masked tokens): the last layer computes only
+        those, and ``last_hidden_state`` is then (count, d_model), equal to the full output
+        indexed by ``keep``. The pooler then needs position 0 kept in every sequence.
+        """
         seq_len = input_ids.shape[1]
         if seq_len > self.config.max_positions:
             raise AttnlabError(
                 f"input has {seq_len} tokens but the model takes at most "
                 f"{self.config.max_positions}: truncate it"
             )
+        if keep is not None:
+            _check_keep(keep, input_ids, need_weights or output_hidden_states)
+            if self.pooler is not None and not bool(keep[:, 0].all()):
+                raise AttnlabError(
+                    "keep must hold position 0 ([CLS]) of every sequence for the pooler"
+                )
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         lengths = attention_mask.sum(-1) if attention_mask is not None else None
@@ -165,14 +178,33 @@ class BertModel(nn.Module):
         rope = self.embeddings.positions.rotary(positions)
         x, hidden, weights = self.encoder(
             x, bias=bias, rope=rope, need_weights=need_weights,
-            output_hidden_states=output_hidden_states,
+            output_hidden_states=output_hidden_states, keep=keep,
         )  # fmt: skip
-        pooled = self.pooler(x) if self.pooler is not None else None
+        pooled = None
+        if self.pooler is not None:
+            if keep is None:
+                pooled = self.pooler(x)
+            else:  # each sequence's first kept row is its [CLS]
+                counts = keep.sum(1)
+                pooled = self.pooler(x[counts.cumsum(0) - counts].unsqueeze(1))
         return BertOutput(
             last_hidden_state=x,
             pooler_output=pooled,
             hidden_states=hidden if output_hidden_states else None,
             attentions=weights if need_weights else None,
+        )
+
+
+def _check_keep(keep: Tensor, input_ids: Tensor, full_outputs: bool) -> None:
+    if keep.dtype != torch.bool or keep.shape != input_ids.shape:
+        raise AttnlabError(
+            f"keep must be a bool tensor shaped like input_ids {tuple(input_ids.shape)}, "
+            f"got {keep.dtype} {tuple(keep.shape)}"
+        )
+    if full_outputs:
+        raise AttnlabError(
+            "keep computes only some positions of the last layer: it cannot be combined with "
+            "need_weights or output_hidden_states"
         )
 
 
@@ -223,21 +255,31 @@ class BertForPreTraining(nn.Module):
 
         With ``mlm_labels`` (batch, seq; -100 = not masked) the vocabulary projection runs only
         at masked positions (``mlm_logits`` is then (n_masked, vocab)): the other ~85% of
-        positions carry no loss, and the projection is the costliest matmul of the model.
+        positions carry no loss, and the projection is the costliest matmul of the model. For
+        the same reason the last encoder layer computes only the masked positions and [CLS].
         Without labels, ``mlm_logits`` covers every position (batch, seq, vocab).
         ``mlm_normalizer`` replaces the per-batch count of masked tokens as the divisor of the
         summed MLM loss, so that micro-batches and DDP ranks add up to the full batch's mean.
         """
-        out = self.bert(input_ids, attention_mask, token_type_ids)
+        masked = keep = None
+        if mlm_labels is not None:
+            # The loss reads the last layer at the masked positions (and [CLS] for the
+            # sentence head) only, so the last layer computes just those rows.
+            masked = mlm_labels != -100
+            keep = masked.clone()
+            if self.nsp is not None:
+                keep[:, 0] = True
+            if not bool(keep.any()):
+                keep = None
+        out = self.bert(input_ids, attention_mask, token_type_ids, keep=keep)
         hidden = out.last_hidden_state
         result: dict[str, Tensor] = {}
         if self.nsp is not None:
             result["nsp_logits"] = self.nsp(out.pooler_output)
-        if mlm_labels is None:
+        if masked is None:
             result["mlm_logits"] = self.mlm(hidden)
             return result
-        masked = mlm_labels != -100
-        logits = self.mlm(hidden[masked])  # (n_masked, vocab)
+        logits = self.mlm(hidden[masked if keep is None else masked[keep]])  # (n_masked, vocab)
         result["mlm_logits"] = logits
         if mlm_normalizer is not None:
             loss = summed_cross_entropy(logits.float(), mlm_labels[masked]) / mlm_normalizer

@@ -17,6 +17,7 @@ are HF's too, so training either library on the same checkpoint gives the same n
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -75,7 +76,10 @@ class BertForSequenceClassification(nn.Module):
         labels: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """input_ids (batch, seq) -> logits (batch, num_labels), and loss when labels (batch,) are given."""
-        pooled = self.bert(input_ids, attention_mask, token_type_ids).pooler_output  # (batch, d)
+        # Only [CLS] is read from the last layer, so only [CLS] is computed there.
+        first = torch.zeros_like(input_ids, dtype=torch.bool)
+        first[:, 0] = True
+        pooled = self.bert(input_ids, attention_mask, token_type_ids, keep=first).pooler_output
         logits = self.classifier(self.dropout(pooled))  # (batch, num_labels)
         out = {"logits": logits}
         if labels is not None:

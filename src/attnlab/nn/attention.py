@@ -87,6 +87,11 @@ def scaled_dot_product_attention(
     return torch.matmul(probs, v), weights if need_weights else None
 
 
+def gather_rows(x: Tensor, rows: Tensor) -> Tensor:
+    """x (batch, seq, d) at the positions rows (batch, q) -> (batch, q, d)."""
+    return x.gather(1, rows.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
 def rotate_half(x: Tensor) -> Tensor:
     """(x1, x2) -> (-x2, x1) on the two halves of the last dimension (RoPE's 90-degree turn)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -246,6 +251,14 @@ class MultiHeadAttention(nn.Module):
         x = x.view(b, s, n, self.n_heads, self.d_head).permute(2, 0, 3, 1, 4)
         return x.unbind(0)
 
+    def _row_qkv(self, x: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        # Queries from the given rows only, keys and values from every position: the fused
+        # weight's first d_model outputs are W^Q, the rest W^K and W^V.
+        d, w, b = self.d_model, self.qkv_proj.weight, self.qkv_proj.bias
+        (q,) = self._heads(F.linear(gather_rows(x, rows), w[:d], None if b is None else b[:d]), 1)
+        k, v = self._heads(F.linear(x, w[d:], None if b is None else b[d:]), 2)
+        return q, k, v
+
     def forward(
         self,
         x: Tensor,
@@ -255,6 +268,7 @@ class MultiHeadAttention(nn.Module):
         rope: tuple[Tensor, Tensor] | None = None,
         past: KVBuffer | tuple[Tensor, Tensor] | None = None,
         need_weights: bool = False,
+        query_rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor]]:
         """Attend from x (batch, q_len, d_model) to itself or to memory; returns (out, weights, kv).
 
@@ -264,6 +278,10 @@ class MultiHeadAttention(nn.Module):
         keys/values may have fewer rows than x: each is then shared by x.shape[0] // rows
         consecutive query rows (the beams of one sentence), which attend to it together
         instead of to copies of it.
+
+        ``query_rows`` (batch, q) limits self-attention's queries to those positions of x (keys
+        and values still come from all of x): the output is then (batch, q, d_model), the rows
+        of the full output at those positions.
         """
         group = 1
         if self.cross:
@@ -279,6 +297,17 @@ class MultiHeadAttention(nn.Module):
             group = _group_size(q.shape[0], k.shape[0], bias)
             if group > 1:
                 q = _to_groups(q, group)
+        elif query_rows is not None:
+            if past is not None:
+                raise AttnlabError("query_rows cannot be combined with cached keys and values")
+            q, k, v = self._row_qkv(x, query_rows)
+            if rope is not None:
+                q_rope = (rope[0][query_rows].unsqueeze(1), rope[1][query_rows].unsqueeze(1))
+                q, k = apply_rotary(q, q_rope), apply_rotary(k, rope)
+            if bias is not None and bias.shape[-2] > 1:  # a bias per query row: keep those rows
+                bias = bias.expand(len(x), -1, -1, -1)
+                index = query_rows[:, None, :, None].expand(-1, bias.shape[1], -1, bias.shape[-1])
+                bias = bias.gather(2, index)
         else:
             q, k, v = self._heads(self.qkv_proj(x), 3)
             if rope is not None:

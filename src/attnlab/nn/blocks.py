@@ -11,11 +11,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.nn.attention import KVCache, MultiHeadAttention
+from attnlab.errors import AttnlabError
+from attnlab.nn.attention import KVCache, MultiHeadAttention, gather_rows
 from attnlab.nn.dropout import Dropout
 
 ACTIVATION_FUNCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -37,6 +40,37 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """(batch, seq, d_model) -> (batch, seq, d_model)."""
         return self.fc2(self.act(self.fc1(x)))
+
+
+@dataclass(frozen=True)
+class KeptRows:
+    """The positions whose outputs a caller needs, e.g. BERT's masked tokens and [CLS].
+
+    ``index`` (batch, q) lists each sequence's kept positions in ascending order, padded with
+    other positions up to q, the largest count; ``valid`` (batch, q) marks the kept entries,
+    or is None when every sequence keeps q. ``flatten`` turns (batch, q, d) into the kept
+    rows (count, d) in the row-major order of ``keep``, i.e. ``full_output[keep]``.
+    """
+
+    index: Tensor
+    valid: Tensor | None
+
+    @classmethod
+    def from_mask(cls, keep: Tensor) -> KeptRows:
+        """KeptRows of a boolean (batch, seq) mask that keeps at least one position."""
+        counts = keep.sum(1)
+        q = int(counts.max()) if keep.numel() else 0
+        if q == 0:
+            raise AttnlabError("keep selects no position: pass None to compute them all")
+        # A stable sort of "not kept" puts each row's kept positions first, in order.
+        index = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :q]
+        if bool((counts == q).all()):
+            return cls(index, None)
+        return cls(index, torch.arange(q, device=keep.device) < counts[:, None])
+
+    def flatten(self, x: Tensor) -> Tensor:
+        """(batch, q, d) -> (count, d): the valid rows, sequence by sequence."""
+        return x.flatten(0, 1) if self.valid is None else x[self.valid]
 
 
 class EncoderLayer(nn.Module):
@@ -67,10 +101,20 @@ class EncoderLayer(nn.Module):
         bias: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         need_weights: bool = False,
+        rows: KeptRows | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """x (batch, seq, d_model) -> (same shape, attention weights (batch, heads, seq, seq) or None)."""
+        """x (batch, seq, d_model) -> (same shape, attention weights (batch, heads, seq, seq) or None).
+
+        With ``rows`` only those positions are computed (their keys and values still see every
+        position) and the output is (rows.count, d_model), as ``KeptRows`` describes.
+        """
         h = self.norm1(x) if self.pre_norm else x
-        h, weights, _ = self.self_attn(h, bias=bias, rope=rope, need_weights=need_weights)
+        h, weights, _ = self.self_attn(
+            h, bias=bias, rope=rope, need_weights=need_weights,
+            query_rows=None if rows is None else rows.index,
+        )  # fmt: skip
+        if rows is not None:
+            x, h = rows.flatten(gather_rows(x, rows.index)), rows.flatten(h)
         x = x + self.dropout(h) if self.pre_norm else self.norm1(x + self.dropout(h))
         h = self.ffn(self.norm2(x) if self.pre_norm else x)
         x = x + self.dropout(h) if self.pre_norm else self.norm2(x + self.dropout(h))
@@ -168,16 +212,24 @@ class Encoder(nn.Module):
         rope: tuple[Tensor, Tensor] | None = None,
         need_weights: bool = False,
         output_hidden_states: bool = False,
+        keep: Tensor | None = None,
     ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         """Run every layer; returns (last hidden state, hidden states per layer, attention weights per layer).
 
         The bias (padding and positional) is built once by the caller and shared by all layers.
+        ``keep`` (batch, seq, bool) asks for the final states of those positions only: the
+        last layer then computes just them and the last hidden state is ``full[keep]``,
+        (count, d_model). The layers below still run at every position, because the kept
+        positions attend to all of them.
         """
+        rows = KeptRows.from_mask(keep) if keep is not None else None
         hidden, weights = [], []
-        for layer in (layer for layer in self.layers for _ in range(self.repeats)):
+        stack = [layer for layer in self.layers for _ in range(self.repeats)]
+        for i, layer in enumerate(stack):
             if output_hidden_states:
                 hidden.append(x)
-            x, w = layer(x, bias=bias, rope=rope, need_weights=need_weights)
+            last_rows = rows if i == len(stack) - 1 else None
+            x, w = layer(x, bias=bias, rope=rope, need_weights=need_weights, rows=last_rows)
             if need_weights:
                 weights.append(w)
         if self.final_norm is not None:
