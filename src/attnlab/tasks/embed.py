@@ -114,14 +114,18 @@ def embed(
     results: list[Tensor | None] = [None] * len(encodings)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else nullcontext()
     for batch in length_batches(encodings, tokenizer.pad_id, max_tokens, max_batch):
+        keep = None
+        if pooling == "cls":  # only [CLS] is read, so the last layer computes only [CLS]
+            keep = torch.zeros_like(batch.input_ids, dtype=torch.bool)
+            keep[:, 0] = True
         with autocast:
-            hidden = model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-        hidden = hidden.last_hidden_state.float()
+            out = model(batch.input_ids, batch.attention_mask, batch.token_type_ids, keep=keep)
+        hidden = out.last_hidden_state.float()  # (batch, d) when keep is given
         if pooling == "none":
             for row, index in enumerate(batch.indices):
                 results[index] = hidden[row, : int(batch.attention_mask[row].sum())].clone()
         else:
-            vectors = pool(hidden, batch.attention_mask, pooling)
+            vectors = hidden if keep is not None else pool(hidden, batch.attention_mask, pooling)
             if normalize:
                 vectors = F.normalize(vectors, dim=-1)
             for row, index in enumerate(batch.indices):
