@@ -45,13 +45,23 @@ def load_sentences(n: int = 2000, seed: int = 0) -> list[str]:
     return chosen[:n]
 
 
-def model_flops(lengths: list[int], n_layers: int, d: int, d_ff: int) -> float:
-    """Matmul FLOPs of a BERT encoder over sequences of these real lengths (no padding)."""
+def model_flops(
+    lengths: list[int], n_layers: int, d: int, d_ff: int, cls_only_last: bool = False
+) -> float:
+    """Matmul FLOPs of a BERT encoder over sequences of these real lengths (no padding).
+
+    cls_only_last: the last layer counted for a reader of [CLS] alone (a classifier): keys and
+    values at every position, the query, W^O and FFN at [CLS] only.
+    """
     total = 0.0
     for length in lengths:
         dense = 2 * length * (4 * d * d + 2 * d * d_ff)  # QKV + W^O + FFN
         attention = 2 * 2 * length * length * d  # QK^T and weights @ V
         total += n_layers * (dense + attention)
+        if cls_only_last:  # take back what the last layer does not need
+            total -= (
+                2 * (length - 1) * (2 * d * d + 2 * d * d_ff) + 2 * 2 * (length - 1) * length * d
+            )
     return total
 
 
