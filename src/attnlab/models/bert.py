@@ -195,6 +195,13 @@ class BertModel(nn.Module):
         )
 
 
+def cls_only(input_ids: Tensor) -> Tensor:
+    """The ``keep`` mask (batch, seq) that asks BertModel for position 0 ([CLS]) alone."""
+    keep = torch.zeros_like(input_ids, dtype=torch.bool)
+    keep[:, 0] = True
+    return keep
+
+
 def _check_keep(keep: Tensor, input_ids: Tensor, full_outputs: bool) -> None:
     if keep.dtype != torch.bool or keep.shape != input_ids.shape:
         raise AttnlabError(

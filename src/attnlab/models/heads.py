@@ -17,13 +17,12 @@ are HF's too, so training either library on the same checkpoint gives the same n
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
-from attnlab.models.bert import BertModel
+from attnlab.models.bert import BertModel, cls_only
 from attnlab.nn.dropout import Dropout
 
 PROBLEM_TYPES = ("single_label_classification", "regression")
@@ -77,9 +76,8 @@ class BertForSequenceClassification(nn.Module):
     ) -> dict[str, Tensor]:
         """input_ids (batch, seq) -> logits (batch, num_labels), and loss when labels (batch,) are given."""
         # Only [CLS] is read from the last layer, so only [CLS] is computed there.
-        first = torch.zeros_like(input_ids, dtype=torch.bool)
-        first[:, 0] = True
-        pooled = self.bert(input_ids, attention_mask, token_type_ids, keep=first).pooler_output
+        keep = cls_only(input_ids)
+        pooled = self.bert(input_ids, attention_mask, token_type_ids, keep=keep).pooler_output
         logits = self.classifier(self.dropout(pooled))  # (batch, num_labels)
         out = {"logits": logits}
         if labels is not None:

@@ -105,8 +105,8 @@ class EncoderLayer(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """x (batch, seq, d_model) -> (same shape, attention weights (batch, heads, seq, seq) or None).
 
-        With ``rows`` only those positions are computed (their keys and values still see every
-        position) and the output is (rows.count, d_model), as ``KeptRows`` describes.
+        With ``rows`` only those positions are computed (they still attend to every position)
+        and the output is (number of kept positions, d_model), as ``KeptRows.flatten`` gives.
         """
         h = self.norm1(x) if self.pre_norm else x
         h, weights, _ = self.self_attn(

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.errors import AttnlabError
-from attnlab.models.bert import BertModel
+from attnlab.models.bert import BertModel, cls_only
 from attnlab.text.tokenizer import BertTokenizer, Encoding
 
 POOLINGS = ("mean", "cls", "none")
@@ -66,14 +66,10 @@ def length_batches(
     return batches
 
 
-def pool(hidden: Tensor, attention_mask: Tensor, pooling: str) -> Tensor:
-    """(batch, seq, d) -> (batch, d): the [CLS] vector or the mean over real (unpadded) tokens."""
-    if pooling == "cls":
-        return hidden[:, 0]
-    if pooling == "mean":
-        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-    raise AttnlabError(f"unknown pooling {pooling!r} (choose from mean, cls, none)")
+def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
+    """(batch, seq, d) -> (batch, d): the mean over real (unpadded) tokens."""
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
 
 
 @torch.inference_mode()
@@ -114,18 +110,16 @@ def embed(
     results: list[Tensor | None] = [None] * len(encodings)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else nullcontext()
     for batch in length_batches(encodings, tokenizer.pad_id, max_tokens, max_batch):
-        keep = None
-        if pooling == "cls":  # only [CLS] is read, so the last layer computes only [CLS]
-            keep = torch.zeros_like(batch.input_ids, dtype=torch.bool)
-            keep[:, 0] = True
+        # [CLS] pooling reads one row, so the last layer computes only that row.
+        keep = cls_only(batch.input_ids) if pooling == "cls" else None
         with autocast:
             out = model(batch.input_ids, batch.attention_mask, batch.token_type_ids, keep=keep)
-        hidden = out.last_hidden_state.float()  # (batch, d) when keep is given
+        hidden = out.last_hidden_state.float()  # (batch, d) with keep
         if pooling == "none":
             for row, index in enumerate(batch.indices):
                 results[index] = hidden[row, : int(batch.attention_mask[row].sum())].clone()
         else:
-            vectors = hidden if keep is not None else pool(hidden, batch.attention_mask, pooling)
+            vectors = hidden if keep is not None else mean_pool(hidden, batch.attention_mask)
             if normalize:
                 vectors = F.normalize(vectors, dim=-1)
             for row, index in enumerate(batch.indices):
