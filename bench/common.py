@@ -17,6 +17,16 @@ T = TypeVar("T")
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
+def layer_flops(tokens: int, rows: int, keys: int, d: int, d_ff: int) -> int:
+    """Forward matmul FLOPs of one encoder layer over `tokens` positions, `rows` of them queried.
+
+    Keys and values come from every position; the query, attention (each row over `keys`
+    keys), W^O and feed-forward run at the queried rows only (all of them, or just those a
+    loss reads, as attnlab's last layer does).
+    """
+    return 2 * tokens * 2 * d * d + 2 * rows * (2 * d * d + 2 * d * d_ff) + 4 * rows * keys * d
+
+
 def matmul_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 1.0) -> float:
     """Best FLOP/s of large square matmuls at the current thread count (the utilisation yardstick).
 

@@ -24,7 +24,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import SHARED_DATA, best_time, machine, matmul_peak_flops, read_gz_lines
+from common import (
+    SHARED_DATA,
+    best_time,
+    layer_flops,
+    machine,
+    matmul_peak_flops,
+    read_gz_lines,
+)
 
 
 def load_sentences(n: int = 2000, seed: int = 0) -> list[str]:
@@ -55,13 +62,9 @@ def model_flops(
     """
     total = 0.0
     for length in lengths:
-        dense = 2 * length * (4 * d * d + 2 * d * d_ff)  # QKV + W^O + FFN
-        attention = 2 * 2 * length * length * d  # QK^T and weights @ V
-        total += n_layers * (dense + attention)
-        if cls_only_last:  # take back what the last layer does not need
-            total -= (
-                2 * (length - 1) * (2 * d * d + 2 * d * d_ff) + 2 * 2 * (length - 1) * length * d
-            )
+        every = layer_flops(length, length, length, d, d_ff)
+        last = layer_flops(length, 1, length, d, d_ff) if cls_only_last else every
+        total += (n_layers - 1) * every + last
     return total
 
 

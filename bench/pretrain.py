@@ -32,7 +32,7 @@ from contextlib import nullcontext
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import MALLOC_HELP, machine, matmul_peak_flops, set_malloc
+from common import MALLOC_HELP, layer_flops, machine, matmul_peak_flops, set_malloc
 
 MASK_RATE = 0.15
 
@@ -45,12 +45,9 @@ def step_flops(config, batch: int, seq: int, masked: int, kept: int | None = Non
     """
     d, f, n, v = config.d_model, config.d_ff, config.n_layers, config.vocab_size
     tokens = batch * seq
-
-    def layer(rows: int) -> int:  # one layer computing `rows` query rows over every key
-        return 2 * tokens * 2 * d * d + 2 * rows * (2 * d * d + 2 * d * f) + 4 * rows * seq * d
-
-    last = layer(tokens if kept is None else kept)
-    encoder = (n - 1) * layer(tokens) + last
+    every = layer_flops(tokens, tokens, seq, d, f)
+    last = every if kept is None else layer_flops(tokens, kept, seq, d, f)
+    encoder = (n - 1) * every + last
     heads = 2 * masked * (d * d + d * v) + 2 * batch * (d * d + 2 * d)
     return 3 * (encoder + heads)
 
