@@ -35,10 +35,11 @@ def gnmt_length_penalty(length: Tensor | float, alpha: float) -> Tensor | float:
 @contextmanager
 def _eval_mode(model: Transformer) -> Iterator[None]:
     # Decoding must not drop out; restore the caller's mode afterwards (it may be training).
+    # The weights are fixed while decoding, so the projections run on packed weights.
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), model.packed():
             yield
     finally:
         model.train(was_training)

@@ -18,6 +18,8 @@ later targets. Greedy and beam search live in ``attnlab.decode``.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,7 @@ from attnlab.errors import AttnlabError
 from attnlab.nn.attention import KVCache, MultiHeadAttention, padding_bias
 from attnlab.nn.blocks import Decoder, Encoder
 from attnlab.nn.dropout import Dropout
+from attnlab.nn.packed import PackedLinear, packed_linears
 from attnlab.nn.positions import PositionEncoding, build_position_encoding
 
 
@@ -88,6 +91,7 @@ class Transformer(nn.Module):
         self.output_proj = (
             None if c.tie_output else nn.Linear(c.d_model, c.tgt_vocab_size, bias=False)
         )
+        self._tied_projection: PackedLinear | None = None  # set only inside packed()
         self._init_weights()
 
     def _positions(self, bidirectional: bool) -> PositionEncoding:
@@ -217,8 +221,24 @@ class Transformer(nn.Module):
     def project(self, hidden: Tensor) -> Tensor:
         """Decoder output (..., d_model) -> logits (..., tgt_vocab_size)."""
         if self.output_proj is None:
+            if self._tied_projection is not None:
+                return self._tied_projection(hidden)
             return F.linear(hidden, self.target_embedding.weight)  # tied: E^T
         return self.output_proj(hidden)
+
+    @contextmanager
+    def packed(self) -> Iterator[None]:
+        """Within the block, every projection runs on weights packed once for CPU inference.
+
+        See attnlab.nn.packed; the weights must not change inside the block (decoding).
+        """
+        with packed_linears(self):
+            if self.output_proj is None:
+                self._tied_projection = PackedLinear(self.target_embedding.weight)
+            try:
+                yield
+            finally:
+                self._tied_projection = None
 
     def decode(
         self,

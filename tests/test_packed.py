@@ -1,0 +1,92 @@
+"""Linear layers on pre-packed weights (attnlab.nn.packed): equal to F.linear, used only where
+they may be, and gone after the block; decoding with them equals decoding without."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnlab.config import TransformerConfig
+from attnlab.decode import beam_search
+from attnlab.models.seq2seq import Transformer
+from attnlab.nn.packed import PackedLinear, can_pack, packed_linears
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_cpu_fp32_weights_are_packed_here() -> None:
+    # The x86 CPU wheels of torch ship oneDNN: the fast path must really run in CI.
+    weight = torch.randn(8, 4)
+    assert can_pack(weight)
+    assert PackedLinear(weight).packed is not None
+    assert not can_pack(weight.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("shape", [(5, 48), (3, 7, 48), (1, 48)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_packed_linear_equals_f_linear(shape: tuple[int, ...], with_bias: bool) -> None:
+    torch.manual_seed(0)
+    weight, bias = torch.randn(300, 48), torch.randn(300) if with_bias else None
+    x = torch.randn(*shape)
+    with torch.inference_mode():
+        got = PackedLinear(weight, bias)(x)
+    want = F.linear(x, weight, bias)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_falls_back_where_gradients_are_needed() -> None:
+    linear = nn.Linear(6, 4)
+    x = torch.randn(3, 6, requires_grad=True)
+    y = PackedLinear(linear.weight, linear.bias)(x)
+    y.sum().backward()  # the packed op has no backward: this must be the plain path
+    torch.testing.assert_close(x.grad, linear.weight.sum(0).expand(3, -1))
+
+
+def test_packed_linears_patches_every_linear_and_restores_them() -> None:
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    x = torch.randn(4, 6)
+    want = model(x)
+    with torch.inference_mode(), packed_linears(model):
+        assert all(isinstance(m.__dict__.get("forward"), PackedLinear) for m in model[::2])
+        got = model(x)
+    assert all("forward" not in m.__dict__ for m in model)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+    assert model(x).requires_grad  # training works again afterwards
+
+
+@pytest.mark.parametrize("tie_output", [True, False])
+def test_transformer_logits_and_beam_search_unchanged_by_packing(
+    tie_output: bool, monkeypatch
+) -> None:
+    config = TransformerConfig(
+        src_vocab_size=40,
+        tgt_vocab_size=40,
+        d_model=32,
+        n_heads=4,
+        d_ff=64,
+        n_encoder_layers=2,
+        n_decoder_layers=2,
+        max_positions=32,
+        tie_output=tie_output,
+    )
+    torch.manual_seed(0)
+    model = Transformer(config).eval()
+    src = torch.randint(3, 40, (3, 7))
+    tgt = torch.randint(3, 40, (3, 5))
+    with torch.inference_mode():
+        want = model(src, tgt)["logits"]
+        with model.packed():
+            assert (model._tied_projection is not None) == tie_output
+            got = model(src, tgt)["logits"]
+    assert model._tied_projection is None
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+    # beam_search packs; the same search with packing switched off agrees.
+    packed_out = beam_search(model, src, beam_size=3)
+    monkeypatch.setattr(Transformer, "packed", lambda self: contextlib.nullcontext())
+    assert beam_search(model, src, beam_size=3) == packed_out
