@@ -238,11 +238,12 @@ def natural(args: argparse.Namespace) -> None:
 
     def run_ours() -> list[list[int]]:
         out: list[list[int]] = [[] for _ in sources]
-        for rows, src, mask in batches:
-            hyps = beam_search(model, src, mask, beam_size=args.beam, length_penalty=0.6,
-                               max_len_a=0.0, max_len_b=args.max_len)  # fmt: skip
-            for r, h in zip(rows, hyps, strict=True):
-                out[r] = h
+        with model.packed():  # weights packed once for all batches, as `attnlab translate` does
+            for rows, src, mask in batches:
+                hyps = beam_search(model, src, mask, beam_size=args.beam, length_penalty=0.6,
+                                   max_len_a=0.0, max_len_b=args.max_len)  # fmt: skip
+                for r, h in zip(rows, hyps, strict=True):
+                    out[r] = h
         return out
 
     def run_hf() -> list[list[int]]:
@@ -353,10 +354,11 @@ def main() -> None:
 
     def run_ours(use_cache: bool) -> list[int]:
         lengths = []
-        for _, src, mask in batches:
-            hyps = beam_search(ours, src, mask, beam_size=args.beam, length_penalty=0.6,
-                               max_len_a=0.0, max_len_b=args.out_len, use_cache=use_cache)  # fmt: skip
-            lengths += [len(h) for h in hyps]
+        with ours.packed():  # weights packed once for all batches, as `attnlab translate` does
+            for _, src, mask in batches:
+                hyps = beam_search(ours, src, mask, beam_size=args.beam, length_penalty=0.6,
+                                   max_len_a=0.0, max_len_b=args.out_len, use_cache=use_cache)  # fmt: skip
+                lengths += [len(h) for h in hyps]
         return lengths
 
     def run_hf() -> list[int]:

@@ -90,3 +90,18 @@ def test_transformer_logits_and_beam_search_unchanged_by_packing(
     packed_out = beam_search(model, src, beam_size=3)
     monkeypatch.setattr(Transformer, "packed", lambda self: contextlib.nullcontext())
     assert beam_search(model, src, beam_size=3) == packed_out
+
+
+def test_nested_packed_blocks_pack_once() -> None:
+    config = TransformerConfig(
+        src_vocab_size=20, tgt_vocab_size=20, d_model=16, n_heads=2, d_ff=32,
+        n_encoder_layers=1, n_decoder_layers=1, max_positions=16,
+    )  # fmt: skip
+    model = Transformer(config).eval()
+    fc = model.decoder.layers[0].ffn.fc1
+    with model.packed():
+        outer, tied = fc.__dict__["forward"], model._tied_projection
+        with model.packed():  # e.g. beam_search called inside a loop that packed already
+            assert fc.__dict__["forward"] is outer and model._tied_projection is tied
+        assert fc.__dict__["forward"] is outer  # the inner block leaves the outer one's packs
+    assert "forward" not in fc.__dict__ and model._tied_projection is None

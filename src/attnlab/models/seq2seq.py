@@ -91,6 +91,7 @@ class Transformer(nn.Module):
         self.output_proj = (
             None if c.tie_output else nn.Linear(c.d_model, c.tgt_vocab_size, bias=False)
         )
+        self._packed = False  # inside packed()
         self._tied_projection: PackedLinear | None = None  # set only inside packed()
         self._init_weights()
 
@@ -230,15 +231,20 @@ class Transformer(nn.Module):
     def packed(self) -> Iterator[None]:
         """Within the block, every projection runs on weights packed once for CPU inference.
 
-        See attnlab.nn.packed; the weights must not change inside the block (decoding).
+        See attnlab.nn.packed; the weights must not change inside the block (decoding). A block
+        inside another packs nothing more: wrap a loop over batches to pack once for all.
         """
+        if self._packed:
+            yield
+            return
         with packed_linears(self):
+            self._packed = True
             if self.output_proj is None:
                 self._tied_projection = PackedLinear(self.target_embedding.weight)
             try:
                 yield
             finally:
-                self._tied_projection = None
+                self._packed, self._tied_projection = False, None
 
     def decode(
         self,

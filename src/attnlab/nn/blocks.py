@@ -175,8 +175,11 @@ class DecoderLayer(nn.Module):
         h, cross_w, kv = self.cross_attn(
             h, memory=memory, bias=memory_bias, past=past, need_weights=need_weights
         )
-        if cache is not None:
-            cache.cross_kv[index] = kv
+        if cache is not None and past is None:
+            # Stored contiguous: per head, the (src, d_head) keys are one block, which every
+            # later step's matmul then reads in place instead of copying (kv_proj's output
+            # interleaves heads).
+            cache.cross_kv[index] = (kv[0].contiguous(), kv[1].contiguous())
         x = self._residual(x, h, self.norm2)
 
         h = self.ffn(self.norm3(x) if self.pre_norm else x)

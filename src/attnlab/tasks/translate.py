@@ -176,14 +176,15 @@ def translate_lines(
     # first batch shows at once whether the longest sentences fit in memory.
     order = sorted(range(len(ids)), key=lambda j: -len(ids[j]))
     outputs = [""] * len(lines)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        src = pad_batch([ids[j] for j in chunk], tokenizer.pad_id).to(device)
-        hyps = translate_ids(
-            model, src, None, beam, length_penalty, max_len_a, max_len_b, use_cache=use_cache
-        )
-        for j, text in zip(chunk, tokenizer.decode_batch(hyps), strict=True):
-            outputs[todo[j]] = text
+    with model.packed():  # once for every batch
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            src = pad_batch([ids[j] for j in chunk], tokenizer.pad_id).to(device)
+            hyps = translate_ids(
+                model, src, None, beam, length_penalty, max_len_a, max_len_b, use_cache=use_cache
+            )
+            for j, text in zip(chunk, tokenizer.decode_batch(hyps), strict=True):
+                outputs[todo[j]] = text
     return outputs
 
 
