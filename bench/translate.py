@@ -88,6 +88,8 @@ def marian_like(config, vocab_size: int):
 OP_KINDS = {
     "aten::addmm": "projections (addmm/mm)",
     "aten::mm": "projections (addmm/mm)",
+    "mkldnn::_linear_pointwise": "projections (addmm/mm)",  # attnlab's packed weights
+    "mkldnn::_reorder_linear_weight": "projections (addmm/mm)",  # packing them
     "aten::bmm": "attention products (bmm/sdpa)",
     "aten::baddbmm": "attention products (bmm/sdpa)",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention products (bmm/sdpa)",
