@@ -45,6 +45,8 @@ def test_packed_linear_falls_back_where_gradients_are_needed() -> None:
     y = PackedLinear(linear.weight, linear.bias)(x)
     y.sum().backward()  # the packed op has no backward: this must be the plain path
     torch.testing.assert_close(x.grad, linear.weight.sum(0).expand(3, -1))
+    torch.testing.assert_close(linear.weight.grad, x.sum(0).expand(4, -1).detach())
+    torch.testing.assert_close(linear.bias.grad, torch.full((4,), 3.0))
 
 
 def test_packed_linears_patches_every_linear_and_restores_them() -> None:

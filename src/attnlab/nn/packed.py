@@ -3,9 +3,9 @@
 ``nn.Linear`` on CPU calls a general matrix product that rearranges ("packs") the weight
 into the kernel's blocked layout on every call. At inference the weight does not change, so
 oneDNN can pack it once (``torch.ops.mkldnn._reorder_linear_weight``) and every later call
-skips that work: the small, many-call products of a decoding step (a few hundred rows) run
-about 1.2-1.8x faster on the 2-core benchmark machine (vocabulary projection 128 x 256 ->
-8,000: 143 -> 205 GFLOP/s; bench/RESULTS.md). This is what PyTorch's own inductor
+skips that work: the small, many-call products of a decoding step (a few hundred rows) ran
+1.1-1.7x faster in a micro-benchmark on the 2-core benchmark machine (vocabulary projection
+128 x 256 -> 8,000: 121-143 -> 202-212 GFLOP/s; bench/RESULTS.md). This is what PyTorch's own inductor
 ("freezing") and Intel's extension do for inference. The packed results equal
 ``F.linear``'s to float rounding (tests/test_packed.py).
 
@@ -37,9 +37,9 @@ class PackedLinear:
     """y = x W^T + b with W packed once for oneDNN; falls back to F.linear where packing cannot serve."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
-        self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
+        self.weight, self.bias = weight, bias  # the parameters themselves: the plain path trains
         self.packed = (
-            torch.ops.mkldnn._reorder_linear_weight(self.weight) if can_pack(weight) else None
+            torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if can_pack(weight) else None
         )
 
     def __call__(self, x: Tensor) -> Tensor:
