@@ -20,6 +20,7 @@ from torch import Tensor
 
 from attnlab.errors import AttnlabError
 from attnlab.models.bert import BertModel, cls_only
+from attnlab.nn.packed import packed_linears
 from attnlab.text.tokenizer import BertTokenizer, Encoding
 
 POOLINGS = ("mean", "cls", "none")
@@ -109,21 +110,23 @@ def embed(
         on_truncate(len(truncated))
     results: list[Tensor | None] = [None] * len(encodings)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else nullcontext()
-    for batch in length_batches(encodings, tokenizer.pad_id, max_tokens, max_batch):
-        # [CLS] pooling reads one row, so the last layer computes only that row.
-        keep = cls_only(batch.input_ids) if pooling == "cls" else None
-        with autocast:
-            out = model(batch.input_ids, batch.attention_mask, batch.token_type_ids, keep=keep)
-        hidden = out.last_hidden_state.float()  # (batch, d) with keep
-        if pooling == "none":
-            for row, index in enumerate(batch.indices):
-                results[index] = hidden[row, : int(batch.attention_mask[row].sum())].clone()
-        else:
-            vectors = hidden if keep is not None else mean_pool(hidden, batch.attention_mask)
-            if normalize:
-                vectors = F.normalize(vectors, dim=-1)
-            for row, index in enumerate(batch.indices):
-                results[index] = vectors[row]
-        if progress is not None:
-            progress(len(batch.indices))
+    # fp32 runs on weights packed once for every batch (bf16 autocast takes the plain path).
+    with packed_linears(model) if dtype is None else nullcontext():
+        for batch in length_batches(encodings, tokenizer.pad_id, max_tokens, max_batch):
+            # [CLS] pooling reads one row, so the last layer computes only that row.
+            keep = cls_only(batch.input_ids) if pooling == "cls" else None
+            with autocast:
+                out = model(batch.input_ids, batch.attention_mask, batch.token_type_ids, keep=keep)
+            hidden = out.last_hidden_state.float()  # (batch, d) with keep
+            if pooling == "none":
+                for row, index in enumerate(batch.indices):
+                    results[index] = hidden[row, : int(batch.attention_mask[row].sum())].clone()
+            else:
+                vectors = hidden if keep is not None else mean_pool(hidden, batch.attention_mask)
+                if normalize:
+                    vectors = F.normalize(vectors, dim=-1)
+                for row, index in enumerate(batch.indices):
+                    results[index] = vectors[row]
+            if progress is not None:
+                progress(len(batch.indices))
     return results  # type: ignore[return-value]

@@ -45,6 +45,7 @@ from attnlab.interop.hf import (
     save_task_model,
 )
 from attnlab.io import check_out_dir, write_text_atomic
+from attnlab.nn.packed import packed_linears
 from attnlab.tasks.pretrain import publish
 from attnlab.text import tasks as task_data
 from attnlab.text.tokenizer import BertTokenizer
@@ -399,18 +400,19 @@ def run_model(
     device = next(model.parameters()).device
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]), reverse=True)
     results: list[dict[str, np.ndarray]] = [{} for _ in rows]
-    for start in range(0, len(order), batch_size):
-        index = order[start : start + batch_size]
-        batch = collate([rows[i] for i in index], pad_id, targets=False)
-        out = model(**{k: v.to(device) for k, v in batch.items()})
-        outputs = {k: v.float().cpu().numpy() for k, v in out.items() if k != "loss"}
-        for j, i in enumerate(index):
-            n = len(rows[i]["input_ids"])
-            # Per-token outputs (batch, seq, ...) lose their padding; per-example ones stay.
-            results[i] = {
-                k: v[j, :n] if k in TOKEN_OUTPUTS or v.ndim == 3 else v[j]
-                for k, v in outputs.items()
-            }
+    with packed_linears(model):  # weights packed once for every batch
+        for start in range(0, len(order), batch_size):
+            index = order[start : start + batch_size]
+            batch = collate([rows[i] for i in index], pad_id, targets=False)
+            out = model(**{k: v.to(device) for k, v in batch.items()})
+            outputs = {k: v.float().cpu().numpy() for k, v in out.items() if k != "loss"}
+            for j, i in enumerate(index):
+                n = len(rows[i]["input_ids"])
+                # Per-token outputs (batch, seq, ...) lose their padding; per-example ones stay.
+                results[i] = {
+                    k: v[j, :n] if k in TOKEN_OUTPUTS or v.ndim == 3 else v[j]
+                    for k, v in outputs.items()
+                }
     return results
 
 
