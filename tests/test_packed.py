@@ -56,6 +56,10 @@ def test_packed_linears_patches_every_linear_and_restores_them() -> None:
     with torch.inference_mode(), packed_linears(model):
         assert all(isinstance(m.__dict__.get("forward"), PackedLinear) for m in model[::2])
         got = model(x)
+        outer = model[0].__dict__["forward"]
+        with packed_linears(model):  # nested: the outer packs stay, and stay after it
+            assert model[0].__dict__["forward"] is outer
+        assert model[0].__dict__["forward"] is outer
     assert all("forward" not in m.__dict__ for m in model)
     torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
     assert model(x).requires_grad  # training works again afterwards

@@ -61,9 +61,11 @@ def packed_linears(model: nn.Module) -> Iterator[None]:
     """Within the block, every nn.Linear of model runs on its packed weight.
 
     Packs once on entry (the weights must not change inside the block) and restores the
-    modules on exit.
+    modules on exit. Inside another such block it leaves the enclosing block's packs alone.
     """
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    linears = [
+        m for m in model.modules() if isinstance(m, nn.Linear) and "forward" not in m.__dict__
+    ]
     try:
         for module in linears:
             module.forward = PackedLinear(module.weight, module.bias)  # instance attribute
