@@ -60,7 +60,8 @@ def scaled_dot_product_attention(
         causal = False  # one query at the newest position (a decoding step) sees every key
     # A decoding step has one query per row (or one per beam, where beams share their
     # cross-attention keys): two plain matmuls cost less there than the fused kernel's tiling
-    # (measured: bench/translate.py; 4 queries x 16 keys x 32 rows: 110 vs 338 us).
+    # (one-off micro-benchmark, 2 threads, 4 queries x 16 keys x 32 rows: 110 vs 338 us per
+    # call; bench/translate.py times the whole search).
     few_queries = q_len <= 8 and dropout_p == 0.0
     # With dropout on CPU, SDPA falls back to its unfused math path and PyTorch's per-element
     # bernoulli mask; the explicit path with attnlab's cheaper mask does the same work faster.
