@@ -18,6 +18,16 @@ from attnlab.nn.packed import PackedLinear, can_pack, packed_linears
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def tiny_transformer(tie_output: bool) -> Transformer:
+    """A seeded 2+2-layer Transformer over a 40-token vocabulary, in eval mode."""
+    config = TransformerConfig(
+        src_vocab_size=40, tgt_vocab_size=40, d_model=32, n_heads=4, d_ff=64,
+        n_encoder_layers=2, n_decoder_layers=2, max_positions=32, tie_output=tie_output,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Transformer(config).eval()
+
+
 def test_cpu_fp32_weights_are_packed_here() -> None:
     # The x86 CPU wheels of torch ship oneDNN: the fast path must really run in CI.
     weight = torch.randn(8, 4)
@@ -69,19 +79,7 @@ def test_packed_linears_patches_every_linear_and_restores_them() -> None:
 def test_transformer_logits_and_beam_search_unchanged_by_packing(
     tie_output: bool, monkeypatch
 ) -> None:
-    config = TransformerConfig(
-        src_vocab_size=40,
-        tgt_vocab_size=40,
-        d_model=32,
-        n_heads=4,
-        d_ff=64,
-        n_encoder_layers=2,
-        n_decoder_layers=2,
-        max_positions=32,
-        tie_output=tie_output,
-    )
-    torch.manual_seed(0)
-    model = Transformer(config).eval()
+    model = tiny_transformer(tie_output)
     src = torch.randint(3, 40, (3, 7))
     tgt = torch.randint(3, 40, (3, 5))
     with torch.inference_mode():
@@ -99,11 +97,7 @@ def test_transformer_logits_and_beam_search_unchanged_by_packing(
 
 
 def test_nested_packed_blocks_pack_once() -> None:
-    config = TransformerConfig(
-        src_vocab_size=20, tgt_vocab_size=20, d_model=16, n_heads=2, d_ff=32,
-        n_encoder_layers=1, n_decoder_layers=1, max_positions=16,
-    )  # fmt: skip
-    model = Transformer(config).eval()
+    model = tiny_transformer(tie_output=True)
     fc = model.decoder.layers[0].ffn.fc1
     with model.packed():
         outer, tied = fc.__dict__["forward"], model._tied_projection

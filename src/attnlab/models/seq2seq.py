@@ -91,7 +91,6 @@ class Transformer(nn.Module):
         self.output_proj = (
             None if c.tie_output else nn.Linear(c.d_model, c.tgt_vocab_size, bias=False)
         )
-        self._packed = False  # inside packed()
         self._tied_projection: PackedLinear | None = None  # set only inside packed()
         self._init_weights()
 
@@ -234,17 +233,15 @@ class Transformer(nn.Module):
         See attnlab.nn.packed; the weights must not change inside the block (decoding). A block
         inside another packs nothing more: wrap a loop over batches to pack once for all.
         """
-        if self._packed:
-            yield
-            return
-        with packed_linears(self):
-            self._packed = True
-            if self.output_proj is None:
+        outer = self._tied_projection is not None  # an enclosing block packed it already
+        with packed_linears(self):  # nests by itself
+            if self.output_proj is None and not outer:
                 self._tied_projection = PackedLinear(self.target_embedding.weight)
             try:
                 yield
             finally:
-                self._packed, self._tied_projection = False, None
+                if not outer:
+                    self._tied_projection = None
 
     def decode(
         self,
