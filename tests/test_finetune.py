@@ -151,6 +151,49 @@ def test_collate_pads_inputs_and_token_labels():
     assert scores["labels"].dtype == torch.float32
 
 
+def test_collate_turns_qa_answers_into_target_shares():
+    rows = [
+        {"input_ids": [2, 5, 6, 7, 3], "token_type_ids": [0] * 5,
+         "start_positions": [1, 1, 2], "end_positions": [2, 2, 3]},
+        {"input_ids": [2, 5, 3], "token_type_ids": [0] * 3,
+         "start_positions": [0], "end_positions": [0]},
+    ]  # fmt: skip
+    batch = collate(rows, pad_id=0)
+    third = 1 / 3
+    expected_starts = torch.tensor([[0, 2 * third, third, 0, 0], [1, 0, 0, 0, 0]])
+    expected_ends = torch.tensor([[0, 0, 2 * third, third, 0], [1, 0, 0, 0, 0]])
+    assert torch.allclose(batch["start_positions"], expected_starts)
+    assert torch.allclose(batch["end_positions"], expected_ends)
+
+
+@pytest.mark.parametrize(("choice", "targets"), [("all", 3), ("first", 1)])
+def test_qa_trains_on_every_answer_or_the_first(choice, targets, tiny_dir, tmp_path):
+    from attnlab.tasks.finetune import featurise
+
+    data = json.loads((DATA / "squad.json").read_text())
+    qa = data["data"][0]["paragraphs"][0]["qas"][0]
+    context = data["data"][0]["paragraphs"][0]["context"]
+    gold = qa["answers"][0]
+    shorter = {"text": gold["text"][:-1], "answer_start": gold["answer_start"]}
+    qa["answers"] = [gold, gold, shorter]
+    assert context[gold["answer_start"] :].startswith(gold["text"])
+    path = write(tmp_path / "squad.json", json.dumps(data))
+    settings = {"max_length": 128, "doc_stride": 32, "max_question_length": 64,
+                "_scoring": False, "_train_answers": choice}  # fmt: skip
+    examples = read_examples("qa", path, settings, labelled=True)
+    rows = featurise("qa", BertTokenizer.from_dir(tiny_dir), examples, None, settings, path).rows
+    assert len(rows[0]["start_positions"]) == targets
+    assert rows[0]["start_positions"][0] > 0  # the answer is in the one window
+    assert all(len(row["start_positions"]) == 1 for row in rows[1:])
+
+
+def test_unknown_train_answers_choice_is_one_error(tiny_dir, tmp_path, capsys):
+    result = run(capsys, "finetune", "--task", "qa", "--model", tiny_dir, "--train",
+                 DATA / "squad.json", "--out", tmp_path / "x", "--train-answers", "some")  # fmt: skip
+    assert_one_error(result, "--train-answers")
+    assert not (tmp_path / "x").exists()
+
+
 # ---------------------------------------------------------------------------- every task trains
 
 TASK_FILES = {

@@ -202,6 +202,35 @@ def test_head_shapes_and_regression_loss():
     assert out["start_logits"].shape == out["end_logits"].shape == (3, 7)
 
 
+def test_qa_loss_on_answer_shares_is_the_mean_of_one_answer_losses():
+    # Training on every annotator's answer at once must equal training on each in turn:
+    # the loss with target shares is the mean of the HF-style position losses.
+    from attnlab.config import BertConfig
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+    qa = BertForQuestionAnswering(config).eval()
+    ids = torch.randint(5, 50, (2, 9))
+    answers = [[(1, 2), (1, 2), (3, 6)], [(0, 0), (4, 4), (5, 7)]]  # per row, 3 annotators
+    starts, ends = torch.zeros(2, 9), torch.zeros(2, 9)
+    for row, spans in enumerate(answers):
+        for start, end in spans:
+            starts[row, start] += 1 / 3
+            ends[row, end] += 1 / 3
+    with torch.no_grad():
+        shared = qa(ids, start_positions=starts, end_positions=ends)["loss"]
+        each = [
+            qa(
+                ids,
+                start_positions=torch.tensor([answers[0][k][0], answers[1][k][0]]),
+                end_positions=torch.tensor([answers[0][k][1], answers[1][k][1]]),
+            )["loss"]
+            for k in range(3)
+        ]
+    assert torch.allclose(shared, torch.stack(each).mean(), atol=1e-6)
+    assert not torch.allclose(each[0], each[2])  # the annotators really differ
+
+
 def test_wrong_head_and_label_count_are_errors(minilm_dir, tmp_path):
     torch.manual_seed(0)
     ner, _ = load_task_model(minilm_dir, "ner", num_labels=3)

@@ -467,6 +467,37 @@ def test_windows_at_stride_boundaries(tokenizer):
                 assert all(len(x.input_ids) <= max_length for x in features)
 
 
+def test_every_gold_answer_is_located_in_each_window(tokenizer):
+    # Three annotators: two agree, the third picks a span further on, which some windows
+    # hold whole and some do not (those point it at [CLS]).
+    words = one_token_words(tokenizer, 60)
+    context = " ".join(words)
+    spans = [(10, 2), (10, 2), (22, 3)]  # (first word, words)
+    answers = []
+    for first, length in spans:
+        text = " ".join(words[first : first + length])
+        answers.append({"text": text, "answer_start": context.index(f" {text} ") + 1})
+    example = QAExample("q", "t", "what", context, answers)
+    features = encode_squad(tokenizer, [example], max_length=24, doc_stride=6)
+    assert len(features) > 3
+    seen = [0, 0, 0]
+    for f in features:
+        assert len(f.answer_positions) == 3
+        assert (f.start_position, f.end_position) == f.answer_positions[0]
+        context_chars = [span for span in f.offsets if span is not None]
+        for k, ((start, end), answer) in enumerate(zip(f.answer_positions, answers, strict=True)):
+            begin, stop = answer["answer_start"], answer["answer_start"] + len(answer["text"])
+            inside = context_chars[0][0] <= begin and stop <= context_chars[-1][1]
+            if not inside:
+                assert (start, end) == (0, 0)
+                continue
+            seen[k] += 1
+            assert (f.offsets[start][0], f.offsets[end][1]) == (begin, stop)
+    assert all(seen) and seen[0] == seen[1]
+    [no_answer] = encode_squad(tokenizer, [QAExample("q", "t", "what", "short", [])], 24, 6)
+    assert no_answer.answer_positions == [] and no_answer.start_position == 0
+
+
 def test_windows_match_hf_overflow(tokenizer, hf_tokenizer):
     examples = read_squad(SHARED_DATA / "squad1.1" / "dev-v1.1.json.gz")[:60]
     features = encode_squad(tokenizer, examples, max_length=128, doc_stride=32)

@@ -627,6 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--fix-answer-offsets", action="store_true", default=None,
                      help="qa: move a training answer whose offset is wrong to where its "
                      "text occurs (default: error)")  # fmt: skip
+    sub.add_argument("--train-answers", choices=("all", "first"),
+                     help="qa: train on every gold answer of a question (default) or on its "
+                     "first only, as HF run_qa does")  # fmt: skip
     sub.add_argument("--save-every", type=int)
     sub.add_argument("--keep-last", type=int)
     sub.add_argument("--log-every", type=int)

@@ -149,18 +149,27 @@ class BertForQuestionAnswering(nn.Module):
         start_positions: Tensor | None = None,
         end_positions: Tensor | None = None,
     ) -> dict[str, Tensor]:
-        """input_ids (batch, seq) -> start_logits, end_logits (batch, seq); loss given positions (batch,)."""
+        """input_ids (batch, seq) -> start_logits, end_logits (batch, seq), and the loss given targets.
+
+        Targets are token positions (batch,), as in HF, or distributions over the tokens
+        (batch, seq), e.g. shares of several gold answers.
+        """
         hidden = self.bert(input_ids, attention_mask, token_type_ids).last_hidden_state
         start_logits, end_logits = self.qa_outputs(hidden).unbind(-1)  # 2 x (batch, seq)
         out = {"start_logits": start_logits, "end_logits": end_logits}
         if start_positions is not None and end_positions is not None:
-            seq = input_ids.shape[1]
-            start = start_positions.clamp(0, seq)
-            end = end_positions.clamp(0, seq)
-            start_loss = F.cross_entropy(start_logits.float(), start, ignore_index=seq)
-            end_loss = F.cross_entropy(end_logits.float(), end, ignore_index=seq)
+            start_loss = _span_loss(start_logits, start_positions)
+            end_loss = _span_loss(end_logits, end_positions)
             out["loss"] = (start_loss + end_loss) / 2
         return out
+
+
+def _span_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Cross-entropy of (batch, seq) logits with positions (out of range: ignored) or distributions."""
+    if targets.is_floating_point():
+        return F.cross_entropy(logits.float(), targets.float())
+    seq = logits.shape[1]
+    return F.cross_entropy(logits.float(), targets.clamp(0, seq), ignore_index=seq)
 
 
 TaskModel = BertForSequenceClassification | BertForTokenClassification | BertForQuestionAnswering

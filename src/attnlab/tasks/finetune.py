@@ -111,6 +111,7 @@ class FinetuneOptions(RunOptions):
     tag_column: int = -1
     language: str = "auto"  # qa scoring: "en" (SQuAD), "zh" (CMRC 2018) or from the text
     fix_answer_offsets: bool = False  # qa training: move a wrong answer offset, not fail
+    train_answers: str = "all"  # qa training targets: every gold answer, or the first only
     new_head: bool = False
     eval_batch_size: int = 64
     best_metric: str | None = None  # None: accuracy / pearson / f1 by task
@@ -132,6 +133,8 @@ class FinetuneOptions(RunOptions):
             raise AttnlabError("--steps must be at least 1")
         if not 0 <= self.warmup_ratio < 1:
             raise AttnlabError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.train_answers not in ("all", "first"):
+            raise AttnlabError(f"--train-answers must be all or first, got {self.train_answers!r}")
         if self.language not in ("auto", "en", "zh"):
             raise AttnlabError(f"--language must be auto, en or zh, got {self.language!r}")
 
@@ -254,13 +257,18 @@ def featurise(
         doc_stride=settings["doc_stride"],
         max_question_length=settings["max_question_length"],
     )
+    # Targets: each gold answer's (start, end) tokens; the loss averages over them, which is
+    # training once per annotator's answer at the cost of one pass (a single answer: as BERT).
+    every = settings.get("_train_answers", "all") == "all"
     for feature in features:
+        positions = feature.answer_positions if every else feature.answer_positions[:1]
+        positions = positions or [(0, 0)]
         rows.append(
             {
                 "input_ids": feature.input_ids,
                 "token_type_ids": feature.token_type_ids,
-                "start_positions": feature.start_position,
-                "end_positions": feature.end_position,
+                "start_positions": [start for start, _ in positions],
+                "end_positions": [end for _, end in positions],
             }
         )
     return TaskData(task, examples, rows, features)
@@ -288,9 +296,13 @@ def collate(rows: Sequence[dict[str, Any]], pad_id: int, targets: bool = True) -
     if not targets:
         return batch
     first = rows[0]
-    if "start_positions" in first:
+    if "start_positions" in first:  # target distributions: each answer an equal share
         for key in ("start_positions", "end_positions"):
-            batch[key] = torch.tensor([row[key] for row in rows], dtype=torch.long)
+            shares = torch.zeros((len(rows), longest))
+            for i, row in enumerate(rows):
+                for position in row[key]:
+                    shares[i, position] += 1 / len(row[key])
+            batch[key] = shares
     elif isinstance(first.get("labels"), list):  # token labels; padding carries no loss
         labels = torch.full((len(rows), longest), task_data.IGNORE_INDEX, dtype=torch.long)
         for i, row in enumerate(rows):
@@ -579,7 +591,12 @@ def prepare(opts: FinetuneOptions) -> FinetuneRun:
         opts.max_length = DEFAULT_MAX_LENGTH[opts.task]
     _check_out(opts)
     tokenizer = load_tokenizer(opts.model)
-    settings = {**opts.settings(), "_scoring": False, "_fix_offsets": opts.fix_answer_offsets}
+    settings = {
+        **opts.settings(),
+        "_scoring": False,
+        "_fix_offsets": opts.fix_answer_offsets,
+        "_train_answers": opts.train_answers,
+    }
     _check_max_length(settings, opts.model)
     train = read_examples(opts.task, opts.train, settings, labelled=True)
     labels = label_set_of(opts.task, train)

@@ -675,8 +675,11 @@ class QAFeature:
     input_ids: list[int]
     token_type_ids: list[int]
     offsets: list[tuple[int, int] | None]  # char span in the context; None off the context
-    start_position: int  # answer start token in this window; 0 ([CLS]) if not inside it
+    start_position: int  # first answer's start token in this window; 0 ([CLS]) if not in it
     end_position: int
+    # (start, end) tokens of every gold answer, the same way; SQuAD's dev file and CMRC 2018
+    # give several answers (one per annotator) to most questions.
+    answer_positions: list[tuple[int, int]] = field(default_factory=list)
 
 
 def encode_squad(
@@ -690,8 +693,8 @@ def encode_squad(
 
     A context too long for one input is covered by windows of the same length, each
     sharing `doc_stride` tokens with the one before (HF run_qa's `doc_stride`); the
-    question keeps its first `max_question_length` tokens. Training targets come from
-    each example's first answer.
+    question keeps its first `max_question_length` tokens. `start_position` and
+    `end_position` locate the first answer; `answer_positions` locates every answer.
     """
     if doc_stride < 0 or max_question_length < 1:
         raise AttnlabError(
@@ -720,7 +723,6 @@ def encode_squad(
                 f"max_length {max_length} leaves {room} context tokens after a "
                 f"{len(question_ids)}-token question: need more than doc_stride {doc_stride}"
             )
-        answer = example.answers[0] if example.answers else None
         n_context = len(context.ids)
         start = 0
         while True:
@@ -730,10 +732,15 @@ def encode_squad(
             n_first = len(question_ids) + 2
             token_type_ids = [0] * n_first + [1] * (end - start + 1)
             offsets = [None] * n_first + window_offsets + [None]
-            span = _answer_tokens(window_offsets, answer)
             # An answer not wholly inside the window points at [CLS] (index 0), as in BERT.
-            first, last = (0, 0) if span is None else (span[0] + n_first, span[1] + n_first)
-            features.append(QAFeature(index, input_ids, token_type_ids, offsets, first, last))
+            positions = [
+                (0, 0) if span is None else (span[0] + n_first, span[1] + n_first)
+                for span in (_answer_tokens(window_offsets, a) for a in example.answers)
+            ]
+            first, last = positions[0] if positions else (0, 0)
+            features.append(
+                QAFeature(index, input_ids, token_type_ids, offsets, first, last, positions)
+            )
             if end == n_context:
                 break
             start = end - doc_stride
