@@ -341,8 +341,10 @@ def test_regress_pairs_end_to_end(tiny_dir, tmp_path, capsys):
     logits, config = hf_logits(out, [r["sentence1"] for r in rows], [r["sentence2"] for r in rows])
     assert config.problem_type == "regression" and config.num_labels == 1
     gold = [float(r["score"]) for r in rows]
-    assert metrics["pearson"] == pytest.approx(pearsonr(logits[:, 0], gold)[0], abs=1e-5)
-    assert metrics["spearman"] == pytest.approx(spearmanr(logits[:, 0], gold)[0], abs=1e-5)
+    # The scores equal HF's to 1e-5 (below); this barely trained model's scores spread over
+    # little, so float rounding (oneDNN here, MKL in HF) moves its correlations by up to ~1e-4.
+    assert metrics["pearson"] == pytest.approx(pearsonr(logits[:, 0], gold)[0], abs=2e-4)
+    assert metrics["spearman"] == pytest.approx(spearmanr(logits[:, 0], gold)[0], abs=2e-4)
     code, _, err = run(capsys, "predict", "--model", out, "--input", DATA / "sts.csv",
                        "--output", tmp_path / "p.jsonl")  # fmt: skip
     assert code == 0, err

@@ -23,6 +23,7 @@ from attnlab.errors import AttnlabError
 from attnlab.nn.attention import padding_bias
 from attnlab.nn.blocks import ACTIVATION_FUNCTIONS, Encoder
 from attnlab.nn.dropout import Dropout
+from attnlab.nn.linear import Linear, linear
 from attnlab.nn.loss import summed_cross_entropy
 from attnlab.nn.positions import build_position_encoding
 
@@ -63,7 +64,7 @@ class BertEmbeddings(nn.Module):
         )
         self.norm = nn.LayerNorm(width, eps=config.layer_norm_eps)
         self.dropout = Dropout(config.dropout)
-        self.projection = nn.Linear(width, config.d_model) if width != config.d_model else None
+        self.projection = Linear(width, config.d_model) if width != config.d_model else None
 
     def forward(
         self, input_ids: Tensor, token_type_ids: Tensor, lengths: Tensor | None = None
@@ -83,7 +84,7 @@ class BertPooler(nn.Module):
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.d_model, config.d_model)
+        self.dense = Linear(config.d_model, config.d_model)
 
     def forward(self, hidden: Tensor) -> Tensor:
         """(batch, seq, d_model) -> (batch, d_model) from position 0."""
@@ -220,7 +221,7 @@ class BertMLMHead(nn.Module):
 
     def __init__(self, config: BertConfig, word_embeddings: nn.Embedding) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.d_model, config.d_embedding)
+        self.dense = Linear(config.d_model, config.d_embedding)
         self.act = ACTIVATION_FUNCTIONS[config.activation]
         self.norm = nn.LayerNorm(config.d_embedding, eps=config.layer_norm_eps)
         self.word_embeddings = word_embeddings  # shared, not a copy: weight tying
@@ -229,7 +230,7 @@ class BertMLMHead(nn.Module):
     def forward(self, hidden: Tensor) -> Tensor:
         """(..., d_model) -> (..., vocab_size) logits."""
         h = self.norm(self.act(self.dense(hidden)))
-        return F.linear(h, self.word_embeddings.weight, self.bias)
+        return linear(h, self.word_embeddings.weight, self.bias)
 
 
 class BertForPreTraining(nn.Module):
@@ -244,7 +245,7 @@ class BertForPreTraining(nn.Module):
         self.config = config
         self.bert = BertModel(config, add_pooler=sentence_head)
         self.mlm = BertMLMHead(config, self.bert.embeddings.word_embeddings)
-        self.nsp = nn.Linear(config.d_model, 2) if sentence_head else None  # IsNext / NotNext
+        self.nsp = Linear(config.d_model, 2) if sentence_head else None  # IsNext / NotNext
         for module in (self.mlm.dense, self.mlm.norm, self.nsp):
             if module is not None:
                 self.bert._init_weights(module)

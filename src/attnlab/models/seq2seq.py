@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.config import TransformerConfig
@@ -30,6 +29,7 @@ from attnlab.errors import AttnlabError
 from attnlab.nn.attention import KVCache, MultiHeadAttention, padding_bias
 from attnlab.nn.blocks import Decoder, Encoder
 from attnlab.nn.dropout import Dropout
+from attnlab.nn.linear import Linear, linear
 from attnlab.nn.packed import PackedLinear, packed_linears
 from attnlab.nn.positions import PositionEncoding, build_position_encoding
 
@@ -88,9 +88,7 @@ class Transformer(nn.Module):
         )
         self.encoder = Encoder(c.n_encoder_layers, c.norm_position, **layer_args)
         self.decoder = Decoder(c.n_decoder_layers, c.norm_position, **layer_args)
-        self.output_proj = (
-            None if c.tie_output else nn.Linear(c.d_model, c.tgt_vocab_size, bias=False)
-        )
+        self.output_proj = None if c.tie_output else Linear(c.d_model, c.tgt_vocab_size, bias=False)
         self._tied_projection: PackedLinear | None = None  # set only inside packed()
         self._init_weights()
 
@@ -223,7 +221,7 @@ class Transformer(nn.Module):
         if self.output_proj is None:
             if self._tied_projection is not None:
                 return self._tied_projection(hidden)
-            return F.linear(hidden, self.target_embedding.weight)  # tied: E^T
+            return linear(hidden, self.target_embedding.weight)  # tied: E^T
         return self.output_proj(hidden)
 
     @contextmanager

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from attnlab.errors import AttnlabError
 from attnlab.nn.dropout import dropout
+from attnlab.nn.linear import Linear, linear
 
 
 def causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> Tensor:
@@ -240,12 +241,12 @@ class MultiHeadAttention(nn.Module):
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
         self.cross, self.dropout = cross, dropout
         if cross:
-            self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-            self.kv_proj = nn.Linear(d_model, 2 * d_model, bias=bias)
+            self.q_proj = Linear(d_model, d_model, bias=bias)
+            self.kv_proj = Linear(d_model, 2 * d_model, bias=bias)
         else:
             # One (d_model -> 3 d_model) matmul instead of three smaller ones.
-            self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)  # W^O
+            self.qkv_proj = Linear(d_model, 3 * d_model, bias=bias)
+        self.out_proj = Linear(d_model, d_model, bias=bias)  # W^O
 
     def _heads(self, x: Tensor, n: int) -> tuple[Tensor, ...]:
         # (batch, seq, n * d_model) -> n tensors of (batch, heads, seq, d_head)
@@ -257,8 +258,8 @@ class MultiHeadAttention(nn.Module):
         # Queries from the given rows only, keys and values from every position: the fused
         # weight's first d_model outputs are W^Q, the rest W^K and W^V.
         d, w, b = self.d_model, self.qkv_proj.weight, self.qkv_proj.bias
-        (q,) = self._heads(F.linear(gather_rows(x, rows), w[:d], None if b is None else b[:d]), 1)
-        k, v = self._heads(F.linear(x, w[d:], None if b is None else b[d:]), 2)
+        (q,) = self._heads(linear(gather_rows(x, rows), w[:d], None if b is None else b[:d]), 1)
+        k, v = self._heads(linear(x, w[d:], None if b is None else b[d:]), 2)
         return q, k, v
 
     def forward(

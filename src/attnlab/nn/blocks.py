@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from attnlab.errors import AttnlabError
 from attnlab.nn.attention import KVCache, MultiHeadAttention, gather_rows
 from attnlab.nn.dropout import Dropout
+from attnlab.nn.linear import Linear
 
 ACTIVATION_FUNCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,  # exact (erf) GELU, as BERT and HF's "gelu"
@@ -33,8 +34,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "relu") -> None:
         super().__init__()
-        self.fc1 = nn.Linear(d_model, d_ff)
-        self.fc2 = nn.Linear(d_ff, d_model)
+        self.fc1 = Linear(d_model, d_ff)
+        self.fc2 = Linear(d_ff, d_model)
         self.act = ACTIVATION_FUNCTIONS[activation]
 
     def forward(self, x: Tensor) -> Tensor:

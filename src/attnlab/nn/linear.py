@@ -1,0 +1,81 @@
+"""``linear`` and ``Linear``: y = x W^T + b, in training on CPU fp32 through oneDNN (same math).
+
+On CPU, ``F.linear`` and ``torch.mm`` call MKL's general matrix product. oneDNN's product
+(the library PyTorch ships for its CPU convolutions, reached through the same
+``torch.ops.mkldnn._linear_pointwise`` op that packed inference uses, nn/packed.py) was
+1.1-1.2x faster on the benchmark machine for the shapes of a BERT training step, and a whole
+bert-small step 5-8% faster (bench/RESULTS.md). So while gradients are on, the forward product
+and the gradient with respect to the input go through oneDNN; the weight's gradient (dy^T x)
+stays with ``torch.mm``, which oneDNN did not beat there.
+
+Anything else runs plain ``F.linear``: inference (packed_linears serves that), weights or
+inputs that are not CPU fp32, bf16 autocast, and code traced by ``torch.compile`` (which
+brings its own kernels). Results and gradients equal ``F.linear``'s to float rounding
+(tests/test_linear.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from attnlab.nn.packed import can_pack
+
+
+def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x (..., in) @ weight (out, in)^T + bias, by oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class _OnednnLinear(torch.autograd.Function):
+    """F.linear with the forward product and the input gradient computed by oneDNN."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """x (..., in) -> (..., out)."""
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _onednn(x, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        """Gradients of x, weight and bias from the output's gradient."""
+        x, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])  # (tokens, out)
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _onednn(grad.contiguous(), weight.t(), None)  # dy W
+        if ctx.needs_input_grad[1]:
+            grad_weight = rows.t() @ x.reshape(-1, x.shape[-1])  # dy^T x
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0)
+        return grad_x, grad_weight, grad_bias
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """y = x W^T + b: oneDNN for CPU fp32 tensors that need gradients, F.linear otherwise."""
+    if (
+        torch.is_grad_enabled()
+        and (weight.requires_grad or x.requires_grad)
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.dim() >= 2
+        and can_pack(weight)
+        and weight.is_contiguous()
+        and (bias is None or bias.dtype == torch.float32)
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+    ):
+        return _OnednnLinear.apply(x.contiguous(), weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state-dict names) computed by `linear`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., in) -> (..., out)."""
+        return linear(x, self.weight, self.bias)

@@ -1,0 +1,72 @@
+"""attnlab.nn.linear: oneDNN's product and gradients equal F.linear's (the reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnlab.nn.linear import Linear, _OnednnLinear, linear
+from attnlab.nn.packed import can_pack
+
+
+def grads_of(fn, x, w, b, upstream):
+    """Output and the gradients of x, w (and b) of fn(x, w, b) under a fixed upstream gradient."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, b) if t is not None]
+    x_, w_, *rest = leaves
+    out = fn(x_, w_, rest[0] if rest else None)
+    out.backward(upstream)
+    return [out.detach(), *[t.grad for t in leaves]]
+
+
+@pytest.mark.parametrize("shape", [(7, 24), (3, 5, 24), (2, 3, 4, 24)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_values_and_gradients_equal_f_linear(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(40, 24, generator=g)
+    b = torch.randn(40, generator=g) if bias else None
+    upstream = torch.randn(*shape[:-1], 40, generator=g)
+    ours = grads_of(linear, x, w, b, upstream)
+    reference = grads_of(F.linear, x, w, b, upstream)
+    assert len(ours) == len(reference) == (4 if bias else 3)
+    for a, r in zip(ours, reference, strict=True):
+        assert a.shape == r.shape
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-4)
+
+
+def test_only_the_gradients_asked_for():
+    x = torch.randn(6, 8)
+    w = torch.randn(4, 8, requires_grad=True)
+    out = linear(x, w)  # x is data: no input gradient wanted
+    out.sum().backward()
+    torch.testing.assert_close(w.grad, torch.ones(6, 4).t() @ x)
+    assert x.grad is None
+
+
+def test_onednn_serves_cpu_fp32_and_nothing_else(monkeypatch):
+    assert can_pack(torch.randn(4, 8))  # this CPU build has oneDNN: the fast path is tested
+    calls = []
+    apply = _OnednnLinear.apply
+    monkeypatch.setattr(_OnednnLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+    x, w = torch.randn(3, 8), torch.randn(4, 8, requires_grad=True)
+    linear(x, w)
+    assert len(calls) == 1
+    with torch.no_grad():  # inference: F.linear (packed_linears is the fast inference path)
+        linear(x, w)
+    linear(x, w.detach())  # nothing needs a gradient
+    linear(x.double(), w.double())  # other dtypes: F.linear
+    linear(x, w.t().contiguous().t())  # a non-contiguous weight: F.linear
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear(x, w).dtype == torch.bfloat16  # autocast keeps its own casts
+    assert len(calls) == 1
+
+
+def test_linear_module_is_a_drop_in_nn_linear():
+    torch.manual_seed(0)
+    ours = Linear(8, 5)
+    plain = torch.nn.Linear(8, 5)
+    plain.load_state_dict(ours.state_dict())  # same parameter names and shapes
+    x = torch.randn(2, 3, 8)
+    torch.testing.assert_close(ours(x), plain(x))
+    assert isinstance(ours, torch.nn.Linear)
