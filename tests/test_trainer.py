@@ -328,6 +328,19 @@ def test_kept_embedding_grads_equal_dense_ones(tied: bool, monkeypatch: pytest.M
     assert not word.sparse
     if tied:  # the decoder's dense gradient took the looked-up rows: no buffer needed
         assert id(word.weight) not in kept.buffers
+        # ... in place: no copy of the whole table when the two gradients are summed (fp32:
+        # the path training takes, where the decoder's gradient is a tensor of its own)
+        from torch.profiler import profile
+
+        fp32 = BertForPreTraining(config)
+        mask = (ids[0] != 0).long()
+        with KeptEmbeddingGrads(fp32), profile(record_shapes=True) as trace:
+            fp32(ids[0], mask, mlm_labels=labels[0], nsp_labels=torch.tensor([0, 1]))[
+                "loss"
+            ].backward()
+        table = [config.vocab_size, config.d_model]
+        copies = [e for e in trace.events() if e.name == "aten::copy_" and table in e.input_shapes]
+        assert copies == []
     else:  # the rows went into the one kept buffer, both steps
         assert stored[0] == stored[1] == kept.buffers[id(word.weight)].data_ptr()
 

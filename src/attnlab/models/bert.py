@@ -227,10 +227,31 @@ class BertMLMHead(nn.Module):
         self.word_embeddings = word_embeddings  # shared, not a copy: weight tying
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
-    def forward(self, hidden: Tensor) -> Tensor:
-        """(..., d_model) -> (..., vocab_size) logits."""
+    def forward(self, hidden: Tensor, weight: Tensor | None = None) -> Tensor:
+        """(..., d_model) -> (..., vocab_size) logits; weight: the word embeddings by another handle."""
         h = self.norm(self.act(self.dense(hidden)))
-        return linear(h, self.word_embeddings.weight, self.bias)
+        return linear(h, self.word_embeddings.weight if weight is None else weight, self.bias)
+
+
+class _DecoderHandle(torch.autograd.Function):
+    """The word embeddings, unchanged, as the tied MLM decoder's weight (see BertForPreTraining).
+
+    Autograd runs backward nodes in reverse order of creation and sums two gradients of one
+    weight as they arrive; a dense one arriving second takes a sparse one in place, while a
+    sparse one arriving second makes an out-of-place sum (a copy of the whole vocabulary
+    table, about 4% of a bert-base step here). Made before the lookup, this node passes the
+    decoder's dense gradient on after the lookup's sparse rows (train/grads.py) have arrived.
+    """
+
+    @staticmethod
+    def forward(ctx, weight: Tensor) -> Tensor:
+        """The weight itself (a view)."""
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        """The gradient as it is (the tensor itself, so it can be added into)."""
+        return grad
 
 
 class BertForPreTraining(nn.Module):
@@ -279,6 +300,8 @@ class BertForPreTraining(nn.Module):
                 keep[:, 0] = True
             if not bool(keep.any()):
                 keep = None
+        # Before the encoder, so that the decoder's gradient reaches the weight last.
+        decoder = None if masked is None else _DecoderHandle.apply(self.mlm.word_embeddings.weight)
         out = self.bert(input_ids, attention_mask, token_type_ids, keep=keep)
         hidden = out.last_hidden_state
         result: dict[str, Tensor] = {}
@@ -287,7 +310,7 @@ class BertForPreTraining(nn.Module):
         if masked is None:
             result["mlm_logits"] = self.mlm(hidden)
             return result
-        logits = self.mlm(hidden[masked if keep is None else masked[keep]])  # (n_masked, vocab)
+        logits = self.mlm(hidden[masked if keep is None else masked[keep]], decoder)  # (masked, V)
         result["mlm_logits"] = logits
         if mlm_normalizer is not None:
             loss = summed_cross_entropy(logits.float(), mlm_labels[masked]) / mlm_normalizer
