@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -343,6 +344,43 @@ def test_kept_embedding_grads_equal_dense_ones(tied: bool, monkeypatch: pytest.M
         assert copies == []
     else:  # the rows went into the one kept buffer, both steps
         assert stored[0] == stored[1] == kept.buffers[id(word.weight)].data_ptr()
+
+
+def test_tied_transformer_projection_takes_the_lookup_rows_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The translation model's tied output projection: same gradients with sparse lookups,
+    # and no copy of the whole table when autograd sums the two (nn/linear.py: tied_weight).
+    from torch.profiler import profile
+
+    from attnlab.config import TransformerConfig
+    from attnlab.models.seq2seq import Transformer
+
+    monkeypatch.setattr(KeptEmbeddingGrads, "MIN_ELEMENTS", 1)
+    config = TransformerConfig(
+        src_vocab_size=60, tgt_vocab_size=60, d_model=16, n_heads=2, d_ff=32,
+        n_encoder_layers=1, n_decoder_layers=1, max_positions=16, dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(config)
+    assert model.output_proj is None  # tied
+    src, tgt = torch.randint(3, 60, (2, 9)), torch.randint(3, 60, (2, 7))
+
+    def gradient(trace: bool = False) -> tuple[torch.Tensor, list]:
+        loss = model(src, tgt[:, :-1], tgt[:, 1:])["loss"]
+        with profile(record_shapes=True) if trace else nullcontext() as recorded:
+            loss.backward()
+        grad = model.target_embedding.weight.grad
+        model.zero_grad(set_to_none=True)
+        return grad, recorded.events() if trace else []
+
+    dense, _ = gradient()
+    with KeptEmbeddingGrads(model):
+        sparse, events = gradient(trace=True)
+    torch.testing.assert_close(sparse, dense, atol=1e-6, rtol=1e-5)
+    table = [60, 16]
+    copies = [e for e in events if e.name == "aten::copy_" and table in e.input_shapes]
+    assert copies == []
 
 
 def test_kept_buffer_rows_zeroing_and_clipping_equal_torchs(

@@ -23,7 +23,7 @@ from attnlab.errors import AttnlabError
 from attnlab.nn.attention import padding_bias
 from attnlab.nn.blocks import ACTIVATION_FUNCTIONS, Encoder
 from attnlab.nn.dropout import Dropout
-from attnlab.nn.linear import Linear, linear
+from attnlab.nn.linear import Linear, linear, tied_weight
 from attnlab.nn.loss import summed_cross_entropy
 from attnlab.nn.positions import build_position_encoding
 
@@ -233,27 +233,6 @@ class BertMLMHead(nn.Module):
         return linear(h, self.word_embeddings.weight if weight is None else weight, self.bias)
 
 
-class _DecoderHandle(torch.autograd.Function):
-    """The word embeddings, unchanged, as the tied MLM decoder's weight (see BertForPreTraining).
-
-    Autograd runs backward nodes in reverse order of creation and sums two gradients of one
-    weight as they arrive; a dense one arriving second takes a sparse one in place, while a
-    sparse one arriving second makes an out-of-place sum (a copy of the whole vocabulary
-    table, about 4% of a bert-base step here). Made before the lookup, this node passes the
-    decoder's dense gradient on after the lookup's sparse rows (train/grads.py) have arrived.
-    """
-
-    @staticmethod
-    def forward(ctx, weight: Tensor) -> Tensor:
-        """The weight itself (a view)."""
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        """The gradient as it is (the tensor itself, so it can be added into)."""
-        return grad
-
-
 class BertForPreTraining(nn.Module):
     """BERT with the masked-LM and next-sentence-prediction heads (paper section 3.1).
 
@@ -301,7 +280,7 @@ class BertForPreTraining(nn.Module):
             if not bool(keep.any()):
                 keep = None
         # Before the encoder, so that the decoder's gradient reaches the weight last.
-        decoder = None if masked is None else _DecoderHandle.apply(self.mlm.word_embeddings.weight)
+        decoder = None if masked is None else tied_weight(self.mlm.word_embeddings.weight)
         out = self.bert(input_ids, attention_mask, token_type_ids, keep=keep)
         hidden = out.last_hidden_state
         result: dict[str, Tensor] = {}

@@ -29,7 +29,7 @@ from attnlab.errors import AttnlabError
 from attnlab.nn.attention import KVCache, MultiHeadAttention, padding_bias
 from attnlab.nn.blocks import Decoder, Encoder
 from attnlab.nn.dropout import Dropout
-from attnlab.nn.linear import Linear, linear
+from attnlab.nn.linear import Linear, linear, tied_weight
 from attnlab.nn.packed import PackedLinear, packed_linears
 from attnlab.nn.positions import PositionEncoding, build_position_encoding
 
@@ -216,12 +216,12 @@ class Transformer(nn.Module):
         )
         return h
 
-    def project(self, hidden: Tensor) -> Tensor:
-        """Decoder output (..., d_model) -> logits (..., tgt_vocab_size)."""
+    def project(self, hidden: Tensor, tied: Tensor | None = None) -> Tensor:
+        """Decoder output (..., d_model) -> logits (..., tgt_vocab_size); tied: see forward."""
         if self.output_proj is None:
             if self._tied_projection is not None:
                 return self._tied_projection(hidden)
-            return linear(hidden, self.target_embedding.weight)  # tied: E^T
+            return linear(hidden, self.target_embedding.weight if tied is None else tied)  # E^T
         return self.output_proj(hidden)
 
     @contextmanager
@@ -274,12 +274,18 @@ class Transformer(nn.Module):
         """
         if src_mask is None:
             src_mask = src_ids != self.config.pad_id
+        # A tied projection's weight taken before the lookups: its gradient is summed in place.
+        tied = (
+            None
+            if tgt_out is None or self.output_proj is not None
+            else tied_weight(self.target_embedding.weight)
+        )
         memory = self.encode(src_ids, src_mask)
         hidden = self.decode_hidden(tgt_in, memory, src_mask)
         if tgt_out is None:
             return {"logits": self.project(hidden)}
         keep = tgt_out != self.config.pad_id
-        logits = self.project(hidden[keep])  # (n_tokens, vocab)
+        logits = self.project(hidden[keep], tied)  # (n_tokens, vocab)
         loss, nll = label_smoothed_cross_entropy(
             logits, tgt_out[keep], self.config.label_smoothing, self.config.pad_id
         )

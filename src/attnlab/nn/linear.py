@@ -36,7 +36,6 @@ class _OnednnLinear(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """x (..., in) -> (..., out)."""
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
         return _onednn(x, weight, bias)
 
     @staticmethod
@@ -50,7 +49,7 @@ class _OnednnLinear(torch.autograd.Function):
             grad_x = _onednn(grad.contiguous(), weight.t(), None)  # dy W
         if ctx.needs_input_grad[1]:
             grad_weight = rows.t() @ x.reshape(-1, x.shape[-1])  # dy^T x
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2]:  # False when there is no bias
             grad_bias = rows.sum(0)
         return grad_x, grad_weight, grad_bias
 
@@ -79,3 +78,29 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         """x (..., in) -> (..., out)."""
         return linear(x, self.weight, self.bias)
+
+
+class _TiedWeight(torch.autograd.Function):
+    """An embedding table, unchanged, as a tied output projection's weight (see tied_weight)."""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor) -> Tensor:
+        """The weight itself (a view)."""
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        """The gradient as it is (the tensor itself, so it can be added into)."""
+        return grad
+
+
+def tied_weight(weight: Tensor) -> Tensor:
+    """weight, for a tied output projection; call it before the embedding lookups of a step.
+
+    Autograd runs backward nodes in reverse order of creation and sums two gradients of one
+    weight as they arrive: a dense one arriving second takes a sparse one in place, while a
+    sparse one arriving second makes an out-of-place sum, a copy of the whole vocabulary table
+    (about 4% of a bert-base pretraining step here). Made before the lookups, this node passes
+    the projection's dense gradient on after the lookups' sparse rows (train/grads.py).
+    """
+    return _TiedWeight.apply(weight)

@@ -10,7 +10,7 @@ it every step.
 While training, the large embeddings' lookups send sparse gradients (the looked-up rows).
 Where a dense gradient reaches the same weight in that backward pass (a tied output
 projection), autograd adds the rows into it in place if they arrive first (it copies the
-table otherwise; models/bert.py orders BERT's MLM decoder so); where the rows are all there is, a hook
+table otherwise: models take such a weight through nn/linear.py's tied_weight); where the rows are all there is, a hook
 moves them into a dense buffer kept from step to step. Either way the optimiser, clipping and
 checkpoints see the same dense ``.grad`` as before; only where it is stored changes.
 
