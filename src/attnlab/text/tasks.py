@@ -675,11 +675,19 @@ class QAFeature:
     input_ids: list[int]
     token_type_ids: list[int]
     offsets: list[tuple[int, int] | None]  # char span in the context; None off the context
-    start_position: int  # first answer's start token in this window; 0 ([CLS]) if not in it
-    end_position: int
-    # (start, end) tokens of every gold answer, the same way; SQuAD's dev file and CMRC 2018
-    # give several answers (one per annotator) to most questions.
+    # (start, end) tokens of every gold answer in this window; (0, 0), i.e. [CLS], for one not
+    # wholly inside it. SQuAD's dev file and CMRC 2018 give most questions several answers.
     answer_positions: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def start_position(self) -> int:
+        """The first answer's start token in this window (0 if none is inside it)."""
+        return self.answer_positions[0][0] if self.answer_positions else 0
+
+    @property
+    def end_position(self) -> int:
+        """The first answer's end token in this window (0 if none is inside it)."""
+        return self.answer_positions[0][1] if self.answer_positions else 0
 
 
 def encode_squad(
@@ -737,10 +745,7 @@ def encode_squad(
                 (0, 0) if span is None else (span[0] + n_first, span[1] + n_first)
                 for span in (_answer_tokens(window_offsets, a) for a in example.answers)
             ]
-            first, last = positions[0] if positions else (0, 0)
-            features.append(
-                QAFeature(index, input_ids, token_type_ids, offsets, first, last, positions)
-            )
+            features.append(QAFeature(index, input_ids, token_type_ids, offsets, positions))
             if end == n_context:
                 break
             start = end - doc_stride
