@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import gzip
 import os
@@ -93,24 +92,26 @@ def read_gz_lines(path: Path) -> list[str]:
 
 
 MALLOC_HELP = (
-    "glibc malloc for every system in the run: 'default' (as it comes) or 'keep' (freed "
-    "memory kept for reuse: no fresh pages faulted in for each step's large temporaries)"
+    "glibc malloc for every system in the run: 'keep' (attnlab's trainer setting, the default: "
+    "freed memory kept for reuse, no fresh pages faulted in for each step's large temporaries) "
+    "or 'default' (glibc as it comes)"
 )
 
 
 def set_malloc(choice: str) -> None:
     """Put this process (every system it times) under one glibc malloc setting.
 
-    'keep': serve every request from the heap (M_MMAP_MAX = 0; glibc still falls back to
-    mmap when the heap cannot grow) and trim it only above 2 GB free (M_TRIM_THRESHOLD; a C
-    int), so memory freed by one step is reused by the next instead of being unmapped and
-    faulted in, zeroed, again. HF's full-vocabulary MLM logits are such temporaries.
+    'keep' is what attnlab's trainer sets (attnlab/train/memory.py: every request from the
+    heap, trimmed only above 2 GB free), so memory freed by one step is reused by the next
+    instead of being unmapped and faulted in, zeroed, again; HF's full-vocabulary MLM logits
+    are such temporaries. 'default' leaves glibc as it comes and tells attnlab's trainer to
+    leave it too (ATTNLAB_MALLOC=default, inherited by child processes).
     """
+    from attnlab.train.memory import keep_freed_memory
+
     if choice == "default":
+        os.environ["ATTNLAB_MALLOC"] = "default"
         return
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        raise SystemExit("--malloc keep: glibc only")
-    libc = ctypes.CDLL(None)
-    m_trim_threshold, m_mmap_max = -1, -4  # glibc's malloc.h
-    if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1)):
-        raise SystemExit("--malloc keep: mallopt refused the setting")
+    os.environ.pop("ATTNLAB_MALLOC", None)
+    if not keep_freed_memory():
+        raise SystemExit("--malloc keep: needs glibc (Linux)")

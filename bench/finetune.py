@@ -29,7 +29,7 @@ also holds the utilisation with the last layer counted at every token).
 All runs share one allocator setting (``--malloc``, as in bench/pretrain.py).
 
 Usage: python bench/finetune.py [--train-limit N] [--threads T] [--lr 3e-5] [--skip-plain]
-       [--block STEPS] [--malloc default|keep]
+       [--block STEPS] [--malloc keep|default]
 """
 
 from __future__ import annotations
@@ -235,9 +235,7 @@ def main() -> None:
     parser.add_argument(
         "--block", type=int, default=50, help="steps each run takes in turn (default 50)"
     )
-    parser.add_argument(
-        "--malloc", choices=("default", "keep"), default="default", help=MALLOC_HELP
-    )
+    parser.add_argument("--malloc", choices=("keep", "default"), default="keep", help=MALLOC_HELP)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

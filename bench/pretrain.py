@@ -11,13 +11,15 @@ projection and feed-forward at the masked positions and [CLS] only: no loss read
 It also prints the utilisation with the last layer counted at every position. The peak is
 measured before and after the runs; the higher one is the yardstick.
 
-Both systems run under one allocator setting: ``--malloc default`` (glibc as it comes, as
-attnlab runs) or ``--malloc keep`` (glibc keeps freed memory, so no fresh pages are faulted in
-for each step's large temporaries; common.set_malloc). HF gains from ``keep`` (its
-full-vocabulary MLM logits are such temporaries); a run with it shows HF at its best.
+Both systems run under one allocator setting: ``--malloc keep`` (the default, and what
+attnlab's trainer sets: glibc keeps freed memory, so no fresh pages are faulted in for each
+step's large temporaries; attnlab/train/memory.py) or ``--malloc default`` (glibc as it
+comes). Each system runs in a fresh process of its own: glibc raises its thresholds after
+the first large blocks are freed, so a system timed after another in the same process would
+run under an allocator the first one had tuned.
 
 Usage: python bench/pretrain.py [--preset bert-small] [--batch-size 32] [--seq-len 128]
-       [--steps 10] [--precision fp32|bf16] [--threads T] [--malloc default|keep]
+       [--steps 10] [--precision fp32|bf16] [--threads T] [--malloc keep|default]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -101,6 +104,18 @@ def hf_step(config, data, precision: str, fused: bool = True):
     return step
 
 
+SYSTEMS = ("hf", "hf_foreach", "attnlab")
+
+
+def time_in_child(name: str) -> float:
+    """Seconds per step of one system, timed by this script in a fresh process (--only)."""
+    child = subprocess.run(
+        [sys.executable, __file__, *sys.argv[1:], "--only", name],
+        check=True, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    return json.loads(child.stdout.strip().splitlines()[-1])["seconds"]
+
+
 def main() -> None:
     """Time both and print one table row and a JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -110,9 +125,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument(
-        "--malloc", choices=("default", "keep"), default="default", help=MALLOC_HELP
-    )
+    parser.add_argument("--malloc", choices=("keep", "default"), default="keep", help=MALLOC_HELP)
+    parser.add_argument("--only", choices=SYSTEMS, help=argparse.SUPPRESS)  # one child process
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     set_malloc(args.malloc)
@@ -123,6 +137,14 @@ def main() -> None:
 
     config = BertConfig.preset(args.preset)
     data = synthetic_batch(config.vocab_size, args.batch_size, args.seq_len, MASK_RATE)
+    if args.only is not None:
+        build = {
+            "hf": lambda: hf_step(config, data, args.precision, fused=True),
+            "hf_foreach": lambda: hf_step(config, data, args.precision, fused=False),
+            "attnlab": lambda: attnlab_step(config, data, args.precision),
+        }[args.only]
+        print(json.dumps({"seconds": time_steps(build(), args.steps)}))
+        return
     masked_positions = data["mlm_labels"] != -100
     masked = int(masked_positions.sum())
     kept = int((masked_positions | (torch.arange(args.seq_len) == 0)).sum())
@@ -134,12 +156,7 @@ def main() -> None:
     tokens = args.batch_size * args.seq_len
     print(f"machine: {machine()}; fp32 matmul peak {peak / 1e9:.1f} GFLOP/s", file=sys.stderr)
     result = {}
-    runs = {
-        "hf": lambda: hf_step(config, data, args.precision, fused=True),
-        "hf_foreach": lambda: hf_step(config, data, args.precision, fused=False),
-        "attnlab": lambda: attnlab_step(config, data, args.precision),
-    }
-    timed = {name: time_steps(build(), args.steps) for name, build in runs.items()}
+    timed = {name: time_in_child(name) for name in SYSTEMS}
     # The peak again after the runs: the higher of the two is the yardstick.
     after = matmul_peak_flops()
     print(f"fp32 matmul peak after the runs {after / 1e9:.1f} GFLOP/s", file=sys.stderr)

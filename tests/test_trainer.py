@@ -30,6 +30,7 @@ from attnlab.train import (
     build_optimizer,
     inverse_sqrt,
     linear_warmup_decay,
+    memory,
     read_rows,
     seed_everything,
 )
@@ -665,3 +666,54 @@ def test_jobs_keep_their_own_run_defaults(tmp_path: Path) -> None:
     assert (finetune.save_every, finetune.keep_last, finetune.eval_every) == (1000, 1, None)
     assert (translate.keep_last, translate.log_every) == (5, 50)
     assert translate.save_every == translate.eval_every == 100  # the bundled sample's
+
+
+# ---- the allocator --------------------------------------------------------------------------
+
+_MAPPED_BYTES = """
+import ctypes, os, sys, tempfile
+from pathlib import Path
+import torch
+sys.path.insert(0, sys.argv[1])
+from _trainer_run import train
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+with tempfile.TemporaryDirectory() as out:
+    train(Path(out) / "run", steps=1, save_every=0, eval_every=0)
+before = libc.mallinfo2().hblkhd
+block = torch.empty(16 * 2**20)  # 64 MB: above any mmap threshold glibc picks by itself
+print(libc.mallinfo2().hblkhd - before)
+"""
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or os.confstr("CS_GNU_LIBC_VERSION") is None,
+    reason="glibc's malloc settings",
+)
+@pytest.mark.parametrize("setting", ["keep", "default"])
+def test_the_trainer_keeps_large_blocks_in_the_heap_unless_told_not_to(setting: str) -> None:
+    # A 64 MB tensor after training started: glibc maps it (and unmaps it when freed, so the
+    # next step faults it in again) unless the trainer told malloc to keep freed memory.
+    env = {**os.environ, "ATTNLAB_MALLOC": setting}
+    child = subprocess.run(
+        [sys.executable, "-c", _MAPPED_BYTES, str(Path(__file__).parent)],
+        env=env, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    mapped = int(child.stdout.strip().splitlines()[-1])
+    if setting == "keep":
+        assert mapped == 0
+    else:
+        assert mapped >= 64 * 2**20
+
+
+def test_an_unknown_allocator_setting_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "_applied", False)
+    monkeypatch.setenv("ATTNLAB_MALLOC", "off")
+    with pytest.raises(AttnlabError, match="ATTNLAB_MALLOC must be 'keep' or 'default'"):
+        memory.keep_freed_memory()

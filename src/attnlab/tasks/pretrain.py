@@ -39,6 +39,7 @@ from attnlab.train.distributed import (
     shutdown_distributed,
 )
 from attnlab.train.grads import clip_grad_norm_, kept_embedding_grads
+from attnlab.train.memory import keep_freed_memory
 from attnlab.train.trainer import METRICS_FILE, TrainConfig, Trainer
 
 TOKENIZER_DIR = "tokenizer"  # inside the output: the vocabulary a resumed run must reuse
@@ -510,6 +511,7 @@ def bench_pretraining(
     config = BertConfig.preset(preset)
     if seq_len > config.max_positions:
         raise AttnlabError(f"--seq-len {seq_len} is above max positions ({config.max_positions})")
+    keep_freed_memory()  # as the trainer does
     model = BertForPreTraining(config).train()
     network = torch.compile(model) if compile else model  # compiled in the warm-up steps
     step = training_step(

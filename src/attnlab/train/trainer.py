@@ -50,6 +50,7 @@ from attnlab.train.distributed import (
 )
 from attnlab.train.grads import clip_grad_norm_, kept_embedding_grads
 from attnlab.train.log import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss_curve
+from attnlab.train.memory import keep_freed_memory
 from attnlab.train.optim import build_optimizer, build_scheduler
 
 CHECKPOINT_DIR = "checkpoints"
@@ -125,6 +126,7 @@ class Trainer:
         on_best: OnBest | None = None,
     ) -> None:
         self.config = config
+        keep_freed_memory()  # no page faults for each step's large temporaries (train/memory.py)
         if config.best_metric is not None and evaluate is None:
             raise AttnlabError("train: best_metric needs an evaluate function")
         self.rank, self.world_size, local_rank = init_distributed()
