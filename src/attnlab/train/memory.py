@@ -6,7 +6,7 @@ frees the same large buffers every step (bert-small at batch 32: the 4,096 x 2,0
 activations and their gradients, 33.5 MB each; the MLM logits; the word-embedding gradient),
 so every step faults those pages in again, each one zeroed by the kernel. With the setting here
 freed memory stays in the heap for the next step: `attnlab bench pretrain --preset bert-small
---batch-size 32` ran about 15% faster with it on a 2-core AVX-512 host (bench/RESULTS.md). The
+--batch-size 32` ran 17% faster with it on a 2-core AVX-512 host (bench/RESULTS.md). The
 process holds on to its peak memory instead; ``ATTNLAB_MALLOC=default`` leaves glibc as it is.
 """
 
