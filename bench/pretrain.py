@@ -104,7 +104,11 @@ def hf_step(config, data, precision: str, fused: bool = True):
     return step
 
 
-SYSTEMS = ("hf", "hf_foreach", "attnlab")
+SYSTEMS = {  # name -> builder of its step function (config, data, precision)
+    "hf": lambda *a: hf_step(*a, fused=True),
+    "hf_foreach": lambda *a: hf_step(*a, fused=False),
+    "attnlab": attnlab_step,
+}
 
 
 def time_in_child(name: str) -> float:
@@ -126,7 +130,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--malloc", choices=("keep", "default"), default="keep", help=MALLOC_HELP)
-    parser.add_argument("--only", choices=SYSTEMS, help=argparse.SUPPRESS)  # one child process
+    parser.add_argument("--only", choices=tuple(SYSTEMS), help=argparse.SUPPRESS)  # a child
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     set_malloc(args.malloc)
@@ -138,12 +142,8 @@ def main() -> None:
     config = BertConfig.preset(args.preset)
     data = synthetic_batch(config.vocab_size, args.batch_size, args.seq_len, MASK_RATE)
     if args.only is not None:
-        build = {
-            "hf": lambda: hf_step(config, data, args.precision, fused=True),
-            "hf_foreach": lambda: hf_step(config, data, args.precision, fused=False),
-            "attnlab": lambda: attnlab_step(config, data, args.precision),
-        }[args.only]
-        print(json.dumps({"seconds": time_steps(build(), args.steps)}))
+        step = SYSTEMS[args.only](config, data, args.precision)
+        print(json.dumps({"seconds": time_steps(step, args.steps)}))
         return
     masked_positions = data["mlm_labels"] != -100
     masked = int(masked_positions.sum())
