@@ -298,6 +298,21 @@ def test_kv_buffer_grows_and_reorders_like_cat_and_index_select() -> None:
     assert buffer.length == 40 and buffer.kv[0].shape == (4, H, 40, D_HEAD)
 
 
+def test_kv_buffer_copy_rows_reads_every_source_before_writing() -> None:
+    # Row 3 is both a source and a destination: the copy must use its old contents.
+    torch.manual_seed(5)
+    buffer = KVBuffer()
+    k, v = torch.randn(4, H, 3, D_HEAD), torch.randn(4, H, 3, D_HEAD)
+    buffer.append(k, v)
+    buffer.copy_rows(torch.tensor([1, 3]), torch.tensor([3, 0]))
+    rows = torch.tensor([0, 3, 2, 0])  # the same result as a whole-buffer reorder
+    assert torch.equal(buffer.kv[0], k[rows]) and torch.equal(buffer.kv[1], v[rows])
+    # later steps append after the copied positions as usual
+    k2, v2 = torch.randn(4, H, 1, D_HEAD), torch.randn(4, H, 1, D_HEAD)
+    got_k, _ = buffer.append(k2, v2)
+    assert torch.equal(got_k, torch.cat((k[rows], k2), 2))
+
+
 def test_kv_cache_slots_length_and_reorder() -> None:
     cache = KVCache(n_layers=2)
     assert all(b.length == 0 for b in cache.self_kv) and cache.cross_kv == [None, None]

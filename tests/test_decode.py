@@ -14,6 +14,7 @@ from attnlab.decode import (
     beam_search,
     gnmt_length_penalty,
     greedy_search,
+    keep_rows,
     top_k_rows,
     translate_ids,
 )
@@ -146,6 +147,25 @@ def test_beam_scores_at_least_as_well_as_greedy() -> None:
             assert score(model, s, b, 0.6) >= score(model, s, g, 0.6) - 1e-5
             better += b != g
     assert better > 0  # the wider search does find other (better) outputs
+
+
+def test_keep_rows_keeps_each_parents_first_child_in_place() -> None:
+    # Reference: a plain loop over every parent assignment of 4 beams (4^4 = 256 cases).
+    k = 4
+    parents = torch.tensor(list(itertools.product(range(k), repeat=k)))  # (256, k)
+    slots = keep_rows(parents)
+    for parent, slot in zip(parents.tolist(), slots.tolist(), strict=True):
+        assert sorted(slot) == list(range(k))  # a permutation of the beam rows
+        childless = [p for p in range(k) if p not in parent]
+        seen: set[int] = set()
+        for child, p in enumerate(parent):
+            if p not in seen:  # first child: stays in its parent's row
+                assert slot[child] == p
+                seen.add(p)
+            else:  # later children fill the childless rows in order
+                assert slot[child] == childless.pop(0)
+        # rows that change = beams that left no child
+        assert sum(s != p for s, p in zip(slot, parent, strict=True)) == k - len(set(parent))
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])

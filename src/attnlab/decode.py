@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.errors import AttnlabError
@@ -83,6 +84,22 @@ def top_k_rows(x: Tensor, k: int, chunk: int = 64) -> tuple[Tensor, Tensor]:
         index = torch.cat((index, torch.arange(whole, n, device=x.device).expand(rows, -1)), 1)
     values, where = x.gather(1, index).topk(k, dim=-1)
     return values, index.gather(1, where)
+
+
+def keep_rows(parent: Tensor) -> Tensor:
+    """The beam slot (n, k) each new beam takes, given its parent's slot (n, k): a permutation.
+
+    The first child of each parent takes its parent's slot, so its cached keys/values stay
+    where they are; the other children take, in order, the slots of parents that left no
+    child. Only those need copying.
+    """
+    k = parent.shape[1]
+    earlier = torch.ones(k, k, dtype=torch.bool, device=parent.device).tril(-1)
+    later_child = ((parent.unsqueeze(2) == parent.unsqueeze(1)) & earlier).any(2)  # (n, k)
+    has_child = torch.zeros_like(later_child).scatter_(1, parent, True)
+    free = has_child.to(torch.uint8).argsort(dim=1, stable=True)  # childless slots first
+    nth_later = (later_child.long().cumsum(1) - 1).clamp(min=0)
+    return torch.where(later_child, free.gather(1, nth_later), parent)
 
 
 def _strip(row: list[int], eos_id: int) -> list[int]:
@@ -162,10 +179,10 @@ def beam_search(
         memory = model.encode(src_ids, src_mask)
         banned = _banned_tokens(model)
         sent = torch.arange(n_sent, device=device)  # original index of each live sentence
-        tokens = torch.full((n_sent * k, 1), cfg.bos_id, device=device)  # (n * k, t + 1)
-        # All beams start as the same "<bos>": only the first one may expand at step 0.
-        scores = torch.full((n_sent, k), float("-inf"), device=device)
-        scores[:, 0] = 0.0
+        # All beams start as the same "<bos>", so step 0 decodes one row per sentence; from
+        # step 1 on there are k rows per sentence (row = sentence * k + beam).
+        tokens = torch.full((n_sent, 1), cfg.bos_id, device=device)  # (n * beams, t + 1)
+        scores = torch.zeros(n_sent, 1, device=device)  # (n, beams)
         n_finished = torch.zeros(n_sent, dtype=torch.long, device=device)
         best_score = torch.full((n_sent,), float("-inf"), device=device)
         best_tokens = torch.full(
@@ -175,24 +192,30 @@ def beam_search(
         ranks = torch.arange(2 * k, device=device)
         step = 0
         while len(sent):
-            n = len(sent)
+            n, beams = scores.shape
             new = tokens[:, -1:] if use_cache else tokens
-            logits = model.decode(new, memory, src_mask, cache)[:, -1]  # (n * k, vocab)
+            logits = model.decode(new, memory, src_mask, cache)[:, -1]  # (n * beams, vocab)
             logp = torch.log_softmax(logits.float(), -1)
             logp[:, banned] = float("-inf")
             at_max = step >= max_lens  # (n,): these must end now
             if bool(at_max.any()):
-                rows_at_max = at_max.repeat_interleave(k)
+                rows_at_max = at_max.repeat_interleave(beams)
                 eos_logp = logp[:, cfg.eos_id].clone()
                 logp[rows_at_max] = float("-inf")
                 logp[:, cfg.eos_id] = eos_logp
             # Only a beam's 2k best tokens can be among its sentence's 2k best candidates: one
             # top-k per beam, then one over the k * 2k survivors (not one over k * vocab).
             width = min(2 * k, logp.shape[-1])
-            beam_top, beam_token = top_k_rows(logp, width)  # (n * k, width)
-            candidates = (scores.view(-1, 1) + beam_top).view(n, k * width)
+            beam_top, beam_token = top_k_rows(logp, width)  # (n * beams, width)
+            candidates = (scores.view(-1, 1) + beam_top).view(n, beams * width)
+            beam_token = beam_token.view(n, beams * width)
+            if candidates.shape[1] < 2 * k:  # step 0 over a vocabulary smaller than 2k
+                short = 2 * k - candidates.shape[1]
+                candidates = F.pad(candidates, (0, short), value=float("-inf"))
+                beam_token = F.pad(beam_token, (0, short), value=cfg.pad_id)
             top_scores, pick = candidates.topk(2 * k, dim=1)  # (n, 2k), best first
-            from_beam, token = pick // width, beam_token.view(n, k * width).gather(1, pick)
+            from_beam = (pick // width).clamp(max=beams - 1)
+            token = beam_token.gather(1, pick)
 
             # Finished: eos candidates among the first k ranks (a real score, not -inf).
             is_eos = token == cfg.eos_id
@@ -204,7 +227,7 @@ def beam_search(
             improved = cand_best > best_score[sent]
             if bool(improved.any()):
                 which = improved.nonzero().squeeze(1)
-                rows = which * k + from_beam[which, cand_rank[which]]
+                rows = which * beams + from_beam[which, cand_rank[which]]
                 best_score[sent[which]] = cand_best[which]
                 best_tokens[sent[which]] = cfg.pad_id
                 best_tokens[sent[which], : step + 1] = tokens[rows]
@@ -212,16 +235,23 @@ def beam_search(
 
             # Live: the k best candidates that do not end (stable order: eos ones sort last).
             order = (is_eos.long() * 2 * k + ranks).argsort(dim=1)[:, :k]  # (n, k)
+            parent = from_beam.gather(1, order)
+            if beams == k:  # each surviving beam keeps its row: only dead beams' rows change
+                order = order.gather(1, keep_rows(parent).argsort(dim=1))
+                parent = from_beam.gather(1, order)
             scores = top_scores.gather(1, order)
             scores = scores.masked_fill(is_eos.gather(1, order), float("-inf"))
-            rows = torch.arange(n, device=device).unsqueeze(1) * k + from_beam.gather(1, order)
-            rows = rows.view(-1)
+            rows = (torch.arange(n, device=device).unsqueeze(1) * beams + parent).view(-1)
             tokens = torch.cat((tokens[rows], token.gather(1, order).view(-1, 1)), 1)
-            if cache is not None:
-                cache.reorder(rows)  # beams stay within their sentence: memory rows unchanged
+            if cache is not None:  # beams stay within their sentence: memory rows unchanged
+                if beams == k:
+                    moved = rows != torch.arange(n * k, device=device)
+                    cache.copy_rows(moved.nonzero().squeeze(1), rows[moved])
+                else:
+                    cache.reorder(rows)
 
             # Which sentences are done?
-            best_live = scores[:, 0]  # (n,), sorted best first
+            best_live = scores.max(1).values  # (n,)
             bound = best_live / gnmt_length_penalty(
                 (max_lens + 1).to(scores.dtype) if alpha >= 0 else float(step + 2), alpha
             )

@@ -159,6 +159,13 @@ class KVBuffer:
         same_rows = shape[0] == self._kv[0].shape[0]
         self._kv, self._spare = self._spare, (self._kv if same_rows else None)
 
+    def copy_rows(self, dst: Tensor, src: Tensor) -> None:
+        """Overwrite rows dst with rows src in place (all sources read before any write)."""
+        if self._kv is None or dst.numel() == 0:
+            return
+        for buffer in self.kv:
+            buffer.index_copy_(0, dst, buffer.index_select(0, src))
+
 
 @dataclass
 class KVCache:
@@ -195,6 +202,15 @@ class KVCache:
             buffer.select_rows(index)
         if cross_index is not None:
             self.cross_kv = [_select_rows(kv, cross_index) for kv in self.cross_kv]
+
+    def copy_rows(self, dst: Tensor, src: Tensor) -> None:
+        """Self-attention rows dst become copies of rows src, in place; the others stay.
+
+        A beam search that keeps each surviving beam in its row moves only the rows whose
+        beam died, which costs less than copying every row (reorder).
+        """
+        for buffer in self.self_kv:
+            buffer.copy_rows(dst, src)
 
 
 def _select_rows(kv: tuple[Tensor, Tensor] | None, rows: Tensor) -> tuple[Tensor, Tensor] | None:
