@@ -116,7 +116,9 @@ class KVBuffer:
     not twice, and into memory already touched: fresh allocations of this size cost page
     faults on CPU (cat + index_select vs this, 128 rows x 20 positions of transformer-base,
     one thread, a one-off micro-benchmark on a busy machine: about 3 ms vs 0.6 ms per layer
-    and tensor).
+    and tensor). Beam search copies less still: ``copy_rows`` rewrites in place only the rows
+    of beams that died (``decode.py: keep_rows``); ``select_rows`` serves the first step and
+    sentences leaving the batch.
     """
 
     def __init__(self) -> None:
