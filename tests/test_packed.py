@@ -38,15 +38,19 @@ def test_cpu_fp32_weights_are_packed_here() -> None:
 
 @pytest.mark.parametrize("shape", [(5, 48), (3, 7, 48), (1, 48)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_packed_linear_equals_f_linear(shape: tuple[int, ...], with_bias: bool) -> None:
+@pytest.mark.parametrize("relu", [False, True])
+def test_packed_linear_equals_f_linear(shape: tuple[int, ...], with_bias: bool, relu: bool) -> None:
     torch.manual_seed(0)
     weight, bias = torch.randn(300, 48), torch.randn(300) if with_bias else None
     x = torch.randn(*shape)
     with torch.inference_mode():
-        got = PackedLinear(weight, bias)(x)
+        got = PackedLinear(weight, bias)(x, relu=relu)
     want = F.linear(x, weight, bias)
+    want = F.relu(want) if relu else want
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the plain path (gradients on) applies the same ReLU
+    torch.testing.assert_close(PackedLinear(weight, bias)(x, relu=relu), want)
 
 
 def test_packed_linear_falls_back_where_gradients_are_needed() -> None:

@@ -21,6 +21,7 @@ from attnlab.errors import AttnlabError
 from attnlab.nn.attention import KVCache, MultiHeadAttention, gather_rows
 from attnlab.nn.dropout import Dropout
 from attnlab.nn.linear import Linear
+from attnlab.nn.packed import PackedLinear
 
 ACTIVATION_FUNCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,  # exact (erf) GELU, as BERT and HF's "gelu"
@@ -40,6 +41,9 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """(batch, seq, d_model) -> (batch, seq, d_model)."""
+        packed = self.fc1.__dict__.get("forward")  # set inside packed_linears (decoding)
+        if self.act is F.relu and isinstance(packed, PackedLinear):
+            return self.fc2(packed(x, relu=True))  # ReLU applied as the product is written
         return self.fc2(self.act(self.fc1(x)))
 
 

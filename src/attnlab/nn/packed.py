@@ -42,8 +42,8 @@ class PackedLinear:
             torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if can_pack(weight) else None
         )
 
-    def __call__(self, x: Tensor) -> Tensor:
-        """x (..., in) -> (..., out)."""
+    def __call__(self, x: Tensor, relu: bool = False) -> Tensor:
+        """x (..., in) -> (..., out); relu=True applies ReLU to the output (fused by oneDNN)."""
         usable = (
             self.packed is not None
             and x.dtype == torch.float32
@@ -52,8 +52,10 @@ class PackedLinear:
             and not torch.is_autocast_enabled("cpu")
         )
         if not usable:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            y = F.linear(x, self.weight, self.bias)
+            return F.relu(y) if relu else y
+        post = "relu" if relu else "none"
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, post, [], "")
 
 
 @contextmanager
