@@ -237,8 +237,8 @@ def beam_search(
             order = (is_eos.long() * 2 * k + ranks).argsort(dim=1)[:, :k]  # (n, k)
             parent = from_beam.gather(1, order)
             if beams == k:  # each surviving beam keeps its row: only dead beams' rows change
-                order = order.gather(1, keep_rows(parent).argsort(dim=1))
-                parent = from_beam.gather(1, order)
+                by_row = keep_rows(parent).argsort(dim=1)
+                order, parent = order.gather(1, by_row), parent.gather(1, by_row)
             scores = top_scores.gather(1, order)
             scores = scores.masked_fill(is_eos.gather(1, order), float("-inf"))
             rows = (torch.arange(n, device=device).unsqueeze(1) * beams + parent).view(-1)
