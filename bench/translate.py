@@ -13,6 +13,11 @@ decoder steps per batch; what differs is only how fast each step is. Timed: the 
 (source ids in, token ids out), after one untimed warm-up run. Also timed: attnlab with the KV
 cache off (the decoder re-reads the whole prefix each step), to show what the cache buys.
 
+Each system first decodes one batch at a time on all --threads. Then, with --workers > 1 (the
+default is --threads), attnlab as `attnlab translate` runs by default: that many batches at once,
+the threads split between them (attnlab.decode.map_batches), and, to show what that scheme alone
+gives, HF's generate run through the same map_batches (HF offers no such mode itself).
+
 ``--model DIR`` (a trained attnlab translation model) measures natural lengths instead: the
 model's weights are copied into the HF Marian model (the same post-LN architecture; the
 logits of both are checked equal before timing), nothing is forced, and each system decodes
@@ -307,18 +312,20 @@ def main() -> None:
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--out-len", type=int, default=30, help="tokens every hypothesis gets")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--workers", type=int, help="batches at once (default: --threads)")
     parser.add_argument("--no-uncached", action="store_true", help="skip the KV-cache-off run")
     parser.add_argument("--model", help="trained attnlab translation model: natural lengths")
     parser.add_argument("--max-len", type=int, default=60, help="--model: max output tokens")
     parser.add_argument("--profile", action="store_true", help="time by kind of operation")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    args.workers = args.workers or args.threads
     if args.model:
         natural(args)
         return
 
     from attnlab.config import TransformerConfig
-    from attnlab.decode import beam_search
+    from attnlab.decode import beam_search, map_batches, translate_batches
     from attnlab.models.seq2seq import Transformer
     from attnlab.text.bpe import train_bpe
 
@@ -363,24 +370,34 @@ def main() -> None:
                 lengths += [len(h) for h in hyps]
         return lengths
 
-    def run_hf() -> list[int]:
-        lengths = []
-        with torch.inference_mode():
-            for _, src, mask in batches:
-                out = hf.generate(
-                    input_ids=src,
-                    attention_mask=mask.long(),
-                    num_beams=args.beam,
-                    length_penalty=0.6,
-                    max_new_tokens=args.out_len + 1,
-                    min_new_tokens=args.out_len + 1,
-                    do_sample=False,
-                )
-                # out: decoder start token + out_len + 1 tokens (the last one not <eos>)
-                lengths += [int((row != config.pad_id).sum()) - 2 for row in out]
-        return lengths
+    def run_ours_workers() -> list[int]:
+        # What `attnlab translate` does by default: several batches at once, one thread each.
+        hyps = translate_batches(ours, [(src, mask) for _, src, mask in batches], args.workers,
+                                 args.beam, 0.6, max_len_a=0.0, max_len_b=args.out_len)  # fmt: skip
+        return [len(h) for batch in hyps for h in batch]
+
+    def hf_batch(batch: tuple) -> list[int]:
+        _, src, mask = batch
+        with torch.inference_mode():  # per thread: workers need it too
+            out = hf.generate(
+                input_ids=src,
+                attention_mask=mask.long(),
+                num_beams=args.beam,
+                length_penalty=0.6,
+                max_new_tokens=args.out_len + 1,
+                min_new_tokens=args.out_len + 1,
+                do_sample=False,
+            )
+        # out: decoder start token + out_len + 1 tokens (the last one not <eos>)
+        return [int((row != config.pad_id).sum()) - 2 for row in out]
+
+    def run_hf(workers: int = 1) -> list[int]:
+        return [n for lengths in map_batches(hf_batch, batches, workers) for n in lengths]
 
     runs = {"hf marian generate": run_hf, "attnlab beam_search": lambda: run_ours(True)}
+    if args.workers > 1:
+        runs[f"attnlab, {args.workers} workers"] = run_ours_workers
+        runs[f"hf, {args.workers} workers"] = lambda: run_hf(args.workers)
     if not args.no_uncached:
         runs["attnlab, no KV cache"] = lambda: run_ours(False)
     results: dict[str, dict[str, float]] = {}
@@ -400,6 +417,16 @@ def main() -> None:
     for name, r in results.items():
         s = r["sentences_per_s"]
         print(f"{name:22s} {s:9.2f} {r['seconds']:8.2f} {s / hf_speed:6.2f}x")
+    ratios = {"ratio_vs_hf": results["attnlab beam_search"]["sentences_per_s"] / hf_speed}
+    if args.workers > 1:
+        ours_w = results[f"attnlab, {args.workers} workers"]["sentences_per_s"]
+        hf_w = results[f"hf, {args.workers} workers"]["sentences_per_s"]
+        ratios |= {
+            "ratio_workers_vs_hf": ours_w / hf_speed,
+            "ratio_workers_vs_hf_workers": ours_w / hf_w,
+        }
+        print(f"attnlab as `attnlab translate` runs it ({args.workers} workers) / HF generate: "
+              f"{ours_w / hf_speed:.2f}x; / HF in the same {args.workers} workers: {ours_w / hf_w:.2f}x")  # fmt: skip
     summary = {
         "bench": "translate",
         "preset": args.preset,
@@ -409,7 +436,8 @@ def main() -> None:
         "beam": args.beam,
         "out_len": args.out_len,
         "vocab_size": tokenizer.vocab_size,
-        "ratio_vs_hf": results["attnlab beam_search"]["sentences_per_s"] / hf_speed,
+        "workers": args.workers,
+        **ratios,
         "results": results,
     }
     if args.profile:

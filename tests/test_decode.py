@@ -4,6 +4,7 @@ against an exhaustive search, and a tiny model that learns to reverse and decode
 from __future__ import annotations
 
 import itertools
+import threading
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from attnlab.decode import (
     top_k_rows,
     translate_ids,
 )
+from attnlab.errors import AttnlabError
 from attnlab.models.seq2seq import Transformer
 
 PAD, BOS, EOS = 0, 1, 2
@@ -134,6 +136,42 @@ def test_beam_size_one_is_greedy(seed: int) -> None:
     greedy = greedy_search(model, src, mask)
     assert beam_search(model, src, mask, beam_size=1) == greedy
     assert translate_ids(model, src, mask, beam_size=1) == greedy
+
+
+def test_map_batches_runs_workers_at_once_on_their_share_of_threads() -> None:
+    both_running = threading.Barrier(2, timeout=30)  # broken if the batches ran one by one
+    seen: list[int] = []
+
+    def fn(i: int) -> int:
+        if i < 2:
+            both_running.wait()
+        seen.append(torch.get_num_threads())
+        return i * i
+
+    torch.set_num_threads(4)
+    try:
+        assert decode.map_batches(fn, list(range(7)), workers=2) == [i * i for i in range(7)]
+        assert seen == [2] * 7 and torch.get_num_threads() == 4
+        seen.clear()
+        assert decode.map_batches(fn, [5], workers=3) == [25]  # one batch: all threads
+        assert seen == [4]
+    finally:
+        torch.set_num_threads(1)
+    with pytest.raises(AttnlabError, match="workers must be at least 1"):
+        decode.map_batches(fn, [5], workers=0)
+
+
+def test_batches_decoded_at_once_equal_each_decoded_alone() -> None:
+    model = peaky_model(seed=3)
+    batches = [sources(n=5, seed=seed) for seed in range(4)]
+    alone = [beam_search(model, src, mask, beam_size=3) for src, mask in batches]  # 1 thread
+    model.train()  # the workers decode in eval mode all the same, and leave the mode as it was
+    torch.set_num_threads(2)
+    try:
+        together = decode.translate_batches(model, batches, workers=2, beam_size=3)
+    finally:
+        torch.set_num_threads(1)
+    assert together == alone and model.training
 
 
 def test_beam_scores_at_least_as_well_as_greedy() -> None:

@@ -141,6 +141,11 @@ def test_translate_keeps_lines_and_order(run_dir, cli):
     code, single, _ = cli("translate", "--model", out, "--beam", 2, "--batch-size", 1,
                           stdin="\n".join(lines) + "\n")  # fmt: skip
     assert single == stdout
+    # and so does decoding two of those batches at once (one thread each)
+    code, two, _ = cli("translate", "--model", out, "--beam", 2, "--batch-size", 1,
+                       "--workers", 2, stdin="\n".join(lines) + "\n")  # fmt: skip
+    assert code == 0 and two == stdout
+    assert_one_error(*cli("translate", "--model", out, "--workers", 0), "--workers must be")
     code, greedy, _ = cli("translate", "--model", out, "--greedy", stdin=lines[0] + "\n")
     assert code == 0 and len(greedy.splitlines()) == 1
 

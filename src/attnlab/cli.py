@@ -369,6 +369,7 @@ def _translate(
         batch_size=args.batch_size,
         max_len_a=args.max_len_a,
         max_len_b=args.max_len_b,
+        workers=args.workers,
         on_truncate=lambda n: _say(f"warning: {n} source line(s) too long were truncated"),
     )
 
@@ -421,6 +422,11 @@ def _add_decoding_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
     sub.add_argument("--max-len-a", type=float, default=1.2, help="max output = a * src_len + b")
     sub.add_argument("--max-len-b", type=float, default=10)
+    sub.add_argument(
+        "--workers",
+        type=int,
+        help="batches decoded at once, sharing the threads (default: one per thread on CPU)",
+    )
 
 
 def _add_translate_commands(commands: argparse._SubParsersAction) -> None:

@@ -17,8 +17,10 @@ paper's alpha = 0.6 was tuned for that formula (``L ** alpha`` would penalise di
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,9 @@ from torch import Tensor
 
 from attnlab.errors import AttnlabError
 from attnlab.models.seq2seq import Transformer
+
+Batch = TypeVar("Batch")
+Result = TypeVar("Result")
 
 
 def gnmt_length_penalty(length: Tensor | float, alpha: float) -> Tensor | float:
@@ -285,3 +290,53 @@ def translate_ids(
     return beam_search(
         model, src_ids, src_mask, beam_size, length_penalty, max_len_a, max_len_b, use_cache
     )
+
+
+def map_batches(
+    fn: Callable[[Batch], Result], batches: Sequence[Batch], workers: int = 1
+) -> list[Result]:
+    """[fn(b) for b in batches], with up to ``workers`` batches in flight at once; results in order.
+
+    A decoding step is many small operations, which a CPU's cores share poorly: on the 2-core
+    benchmark machine one batch decodes 1.6x faster on two threads than on one. Decoding two
+    batches at once, one thread each, keeps both cores busy instead (as Marian's and
+    CTranslate2's CPU translators do). The torch threads are split between the workers; each
+    worker is a Python thread (torch releases the GIL inside its operations). Each batch's
+    result is what fn gives on that many threads alone: decoding is deterministic per thread
+    count, whatever runs beside it.
+    """
+    if workers < 1:
+        raise AttnlabError(f"workers must be at least 1, got {workers}")
+    workers = min(workers, len(batches))
+    if workers <= 1:
+        return [fn(batch) for batch in batches]
+    per_worker = max(1, torch.get_num_threads() // workers)
+    # The thread count is per OS thread: a new thread would otherwise use every core itself.
+    with ThreadPoolExecutor(
+        workers, initializer=torch.set_num_threads, initargs=(per_worker,)
+    ) as pool:
+        return list(pool.map(fn, batches))
+
+
+def translate_batches(
+    model: Transformer,
+    batches: Sequence[tuple[Tensor, Tensor | None]],
+    workers: int = 1,
+    beam_size: int = 4,
+    length_penalty: float = 0.6,
+    max_len_a: float = 1.2,
+    max_len_b: float = 10,
+    use_cache: bool = True,
+) -> list[list[list[int]]]:
+    """translate_ids on each (src_ids, src_mask) batch, ``workers`` batches at a time (map_batches)."""
+
+    def one(batch: tuple[Tensor, Tensor | None]) -> list[list[int]]:
+        src_ids, src_mask = batch
+        return translate_ids(
+            model, src_ids, src_mask, beam_size, length_penalty, max_len_a, max_len_b, use_cache
+        )
+
+    # Eval mode and packed weights once, here: workers entering and leaving them on their own
+    # would switch the shared model's mode under each other.
+    with _eval_mode(model):
+        return map_batches(one, batches, workers)

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
 from attnlab.config import TRANSFORMER_PRESETS, TransformerConfig
-from attnlab.decode import translate_ids
+from attnlab.decode import translate_batches
 from attnlab.errors import AttnlabError
 from attnlab.io import write_text_atomic, write_with_atomic
 from attnlab.metrics import corpus_bleu
@@ -158,10 +158,17 @@ def translate_lines(
     max_len_b: float = 10,
     use_cache: bool = True,
     on_truncate: Callable[[int], None] | None = None,
+    workers: int | None = None,
 ) -> list[str]:
-    """One detokenized translation per line, in input order (an empty line gives "")."""
+    """One detokenized translation per line, in input order (an empty line gives "").
+
+    ``workers`` batches decode at once, sharing the torch threads (decode.py: map_batches);
+    None: one per thread on CPU, 1 on a GPU.
+    """
     if beam < 1 or batch_size < 1:
         raise AttnlabError("--beam and --batch-size must be at least 1")
+    if workers is not None and workers < 1:
+        raise AttnlabError("--workers must be at least 1")
     config = model.config
     todo = [i for i, line in enumerate(lines) if line.strip()]
     ids, truncated = [], 0
@@ -175,16 +182,17 @@ def translate_lines(
     # Longest first, so batches hold sentences of similar length (little padding) and the
     # first batch shows at once whether the longest sentences fit in memory.
     order = sorted(range(len(ids)), key=lambda j: -len(ids[j]))
+    chunks = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+    batches = [(pad_batch([ids[j] for j in c], tokenizer.pad_id).to(device), None) for c in chunks]
+    if workers is None:  # GPU kernels of two batches would only queue behind each other
+        workers = torch.get_num_threads() if device.type == "cpu" else 1
+    hyps = translate_batches(
+        model, batches, workers, beam, length_penalty, max_len_a, max_len_b, use_cache
+    )
     outputs = [""] * len(lines)
-    with model.packed():  # once for every batch
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
-            src = pad_batch([ids[j] for j in chunk], tokenizer.pad_id).to(device)
-            hyps = translate_ids(
-                model, src, None, beam, length_penalty, max_len_a, max_len_b, use_cache=use_cache
-            )
-            for j, text in zip(chunk, tokenizer.decode_batch(hyps), strict=True):
-                outputs[todo[j]] = text
+    for chunk, batch_hyps in zip(chunks, hyps, strict=True):
+        for j, text in zip(chunk, tokenizer.decode_batch(batch_hyps), strict=True):
+            outputs[todo[j]] = text
     return outputs
 
 
