@@ -89,6 +89,15 @@ def test_cached_and_uncached_searches_agree(norm_position: str, position_encodin
     assert beam == beam_search(model, src, mask, beam_size=4, use_cache=False)
 
 
+def test_log_softmax_in_place_equals_out_of_place() -> None:
+    # beam_search normalises the logits in place (out= the input): torch must read each row
+    # before it writes it.
+    x = torch.randn(130, 8003, generator=torch.Generator().manual_seed(0)) * 5
+    x[3, 7:4000] = float("-inf")
+    expected = torch.log_softmax(x, -1)
+    assert torch.equal(torch.log_softmax(x, -1, out=x), expected) and torch.equal(x, expected)
+
+
 @pytest.mark.parametrize("n", [640, 1000, 8003])
 def test_chunked_top_k_equals_torch_topk(n: int) -> None:
     g = torch.Generator().manual_seed(n)
