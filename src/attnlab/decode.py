@@ -312,12 +312,15 @@ def map_batches(
     workers = min(workers, len(batches))
     if workers <= 1:
         return [fn(batch) for batch in batches]
-    per_worker = max(1, torch.get_num_threads() // workers)
+    total = torch.get_num_threads()
     # The thread count is per OS thread: a new thread would otherwise use every core itself.
-    with ThreadPoolExecutor(
-        workers, initializer=torch.set_num_threads, initargs=(per_worker,)
-    ) as pool:
-        return list(pool.map(fn, batches))
+    try:
+        with ThreadPoolExecutor(
+            workers, initializer=torch.set_num_threads, initargs=(max(1, total // workers),)
+        ) as pool:
+            return list(pool.map(fn, batches))
+    finally:  # torch also sets MKL's thread count, which is process-wide: set it back
+        torch.set_num_threads(total)
 
 
 def translate_batches(
