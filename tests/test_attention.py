@@ -313,6 +313,22 @@ def test_kv_buffer_copy_rows_reads_every_source_before_writing() -> None:
     assert torch.equal(got_k, torch.cat((k[rows], k2), 2))
 
 
+def test_kv_cache_copy_rows_from_start_positions_keeps_the_rows_before() -> None:
+    # Pair (3 -> 1) from position 2, pair (0 -> 3) from 3: row 3 is read before it is written.
+    torch.manual_seed(6)
+    cache = KVCache(n_layers=2)
+    kv = [(torch.randn(4, H, 5, D_HEAD), torch.randn(4, H, 5, D_HEAD)) for _ in range(2)]
+    for buffer, (k, v) in zip(cache.self_kv, kv, strict=True):
+        buffer.append(k, v)  # 5 positions in a capacity of 16
+    cache.copy_rows(torch.tensor([1, 3]), torch.tensor([3, 0]), start=torch.tensor([2, 3]))
+    for buffer, pair in zip(cache.self_kv, kv, strict=True):
+        for got, old in zip(buffer.kv, pair, strict=True):
+            expected = old.clone()
+            expected[1, :, 2:] = old[3, :, 2:]
+            expected[3, :, 3:] = old[0, :, 3:]
+            assert torch.equal(got, expected)
+
+
 def test_kv_cache_slots_length_and_reorder() -> None:
     cache = KVCache(n_layers=2)
     assert all(b.length == 0 for b in cache.self_kv) and cache.cross_kv == [None, None]

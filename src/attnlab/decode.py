@@ -249,11 +249,17 @@ def beam_search(
             scores = top_scores.gather(1, order)
             scores = scores.masked_fill(is_eos.gather(1, order), float("-inf"))
             rows = (torch.arange(n, device=device).unsqueeze(1) * beams + parent).view(-1)
-            tokens = torch.cat((tokens[rows], token.gather(1, order).view(-1, 1)), 1)
+            previous, tokens = (
+                tokens,
+                torch.cat((tokens[rows], token.gather(1, order).view(-1, 1)), 1),
+            )
             if cache is not None:  # beams stay within their sentence: memory rows unchanged
                 if beams == k:
                     moved = rows != torch.arange(n * k, device=device)
-                    cache.copy_rows(moved.nonzero().squeeze(1), rows[moved])
+                    dst, src = moved.nonzero().squeeze(1), rows[moved]
+                    # Copy each moved row only from where its old and new prefixes differ.
+                    shared = (previous[dst] == previous[src]).cumprod(1).sum(1)
+                    cache.copy_rows(dst, src, start=shared)
                 else:
                     cache.reorder(rows)
 
