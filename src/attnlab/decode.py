@@ -249,10 +249,8 @@ def beam_search(
             scores = top_scores.gather(1, order)
             scores = scores.masked_fill(is_eos.gather(1, order), float("-inf"))
             rows = (torch.arange(n, device=device).unsqueeze(1) * beams + parent).view(-1)
-            previous, tokens = (
-                tokens,
-                torch.cat((tokens[rows], token.gather(1, order).view(-1, 1)), 1),
-            )
+            previous = tokens
+            tokens = torch.cat((tokens[rows], token.gather(1, order).view(-1, 1)), 1)
             if cache is not None:  # beams stay within their sentence: memory rows unchanged
                 if beams == k:
                     moved = rows != torch.arange(n * k, device=device)

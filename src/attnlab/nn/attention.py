@@ -126,7 +126,7 @@ class KVBuffer:
     layout scatters them over the whole capacity, a short run per batch row and head. With
     caches evicted between steps, single-query attention over 128 rows x 4 heads ran at 220-460
     against 430-660 us for 6-30 positions, and an append at 27-44 against 38-167 us (one-off
-    micro-benchmarks, 2 threads).
+    micro-benchmarks, 2 threads); whole beam searches ran 6-13% faster (bench/RESULTS.md).
     """
 
     def __init__(self) -> None:
@@ -249,10 +249,12 @@ class KVCache:
             return
         positions = torch.arange(self.length, device=dst.device)
         pair, pos = (positions >= start.unsqueeze(1)).nonzero().unbind(1)  # what to copy
+        if pair.numel() == 0:
+            return
         entries: dict[int, tuple[Tensor, Tensor]] = {}  # per batch size (the same for all)
         for buffer in self.self_kv:
             b = buffer.batch_size
-            if b == 0 or pair.numel() == 0:
+            if b == 0:
                 continue
             if b not in entries:
                 entries[b] = (pos * b + dst[pair], pos * b + src[pair])
