@@ -312,7 +312,9 @@ def main() -> None:
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--out-len", type=int, default=30, help="tokens every hypothesis gets")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--workers", type=int, help="batches at once (default: --threads)")
+    parser.add_argument(
+        "--workers", type=int, help="batches at once, forced-length runs (default: --threads)"
+    )
     parser.add_argument("--no-uncached", action="store_true", help="skip the KV-cache-off run")
     parser.add_argument("--model", help="trained attnlab translation model: natural lengths")
     parser.add_argument("--max-len", type=int, default=60, help="--model: max output tokens")
