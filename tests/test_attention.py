@@ -298,13 +298,14 @@ def test_kv_buffer_grows_and_reorders_like_cat_and_index_select() -> None:
     assert buffer.length == 40 and buffer.kv[0].shape == (4, H, 40, D_HEAD)
 
 
-def test_kv_buffer_copy_rows_reads_every_source_before_writing() -> None:
+def test_kv_cache_copy_rows_reads_every_source_before_writing() -> None:
     # Row 3 is both a source and a destination: the copy must use its old contents.
     torch.manual_seed(5)
-    buffer = KVBuffer()
+    cache = KVCache(n_layers=1)
+    buffer = cache.self_kv[0]
     k, v = torch.randn(4, H, 3, D_HEAD), torch.randn(4, H, 3, D_HEAD)
     buffer.append(k, v)
-    buffer.copy_rows(torch.tensor([1, 3]), torch.tensor([3, 0]))
+    cache.copy_rows(torch.tensor([1, 3]), torch.tensor([3, 0]))
     rows = torch.tensor([0, 3, 2, 0])  # the same result as a whole-buffer reorder
     assert torch.equal(buffer.kv[0], k[rows]) and torch.equal(buffer.kv[1], v[rows])
     # later steps append after the copied positions as usual

@@ -116,10 +116,9 @@ class KVBuffer:
     not twice, and into memory already touched: fresh allocations of this size cost page
     faults on CPU (cat + index_select vs this, 128 rows x 20 positions of transformer-base,
     one thread, a one-off micro-benchmark on a busy machine: about 3 ms vs 0.6 ms per layer
-    and tensor). Beam search copies less still: ``copy_rows`` rewrites in place only the rows
-    of beams that died (``decode.py: keep_rows``), ``copy_entries`` only some positions of
-    them (``KVCache.copy_rows``); ``select_rows`` serves the first step and sentences leaving
-    the batch.
+    and tensor). Beam search copies less still: ``copy_entries`` rewrites in place only some
+    positions of the rows of beams that died (``KVCache.copy_rows``, ``decode.py: keep_rows``);
+    ``select_rows`` serves the first step and sentences leaving the batch.
 
     Stored position-major, (capacity, batch, heads, d_head), and read through a permuted view:
     the filled positions are then one compact block, where a (batch, heads, capacity, d_head)
@@ -173,13 +172,6 @@ class KVBuffer:
             torch.index_select(old, 1, rows, out=target[: self.length])
         same_rows = shape[1] == self._kv[0].shape[1]
         self._kv, self._spare = self._spare, (self._kv if same_rows else None)
-
-    def copy_rows(self, dst: Tensor, src: Tensor) -> None:
-        """Overwrite rows dst with rows src in place (all sources read before any write)."""
-        if self._kv is None or dst.numel() == 0:
-            return
-        for filled in self._filled():
-            filled.index_copy_(1, dst, filled.index_select(1, src))
 
     @property
     def batch_size(self) -> int:
@@ -239,26 +231,21 @@ class KVCache:
 
         A beam search that keeps each surviving beam in its row moves only the rows whose
         beam died, which costs less than copying every row (reorder). ``start`` (one per
-        pair) copies only positions start[i] onward of each pair: a position's keys and values
-        depend only on the tokens up to it, so where two beams' prefixes agree the row holds
-        the right ones already (on the benchmark's random model, 90% of the copied positions).
+        pair; default 0) copies only positions start[i] onward of each pair: a position's keys
+        and values depend only on the tokens up to it, so where two beams' prefixes agree the
+        row holds the right ones already (on the benchmark's random model, 90% of the copied
+        positions). All sources are read before any write.
         """
         if start is None:
-            for buffer in self.self_kv:
-                buffer.copy_rows(dst, src)
-            return
+            start = torch.zeros_like(dst)
         positions = torch.arange(self.length, device=dst.device)
         pair, pos = (positions >= start.unsqueeze(1)).nonzero().unbind(1)  # what to copy
         if pair.numel() == 0:
             return
-        entries: dict[int, tuple[Tensor, Tensor]] = {}  # per batch size (the same for all)
+        rows = self.self_kv[0].batch_size  # every layer's buffer holds the same rows
+        dst_entries, src_entries = pos * rows + dst[pair], pos * rows + src[pair]
         for buffer in self.self_kv:
-            b = buffer.batch_size
-            if b == 0:
-                continue
-            if b not in entries:
-                entries[b] = (pos * b + dst[pair], pos * b + src[pair])
-            buffer.copy_entries(*entries[b])
+            buffer.copy_entries(dst_entries, src_entries)
 
 
 def _select_rows(kv: tuple[Tensor, Tensor] | None, rows: Tensor) -> tuple[Tensor, Tensor] | None:
