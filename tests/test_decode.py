@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import pytest
 import torch
@@ -168,6 +169,22 @@ def test_map_batches_runs_workers_at_once_on_their_share_of_threads() -> None:
         torch.set_num_threads(1)
     with pytest.raises(AttnlabError, match="workers must be at least 1"):
         decode.map_batches(fn, [5], workers=0)
+
+
+def test_map_batches_stops_at_an_error_without_running_the_rest() -> None:
+    started: list[int] = []
+
+    def fn(i: int) -> int:
+        started.append(i)
+        if i == 0:
+            raise AttnlabError("batch 0 is bad")
+        time.sleep(0.02)
+        return i
+
+    with pytest.raises(AttnlabError, match="batch 0 is bad"):
+        decode.map_batches(fn, list(range(50)), workers=2)
+    assert len(started) < 10  # the batches still queued were dropped
+    assert torch.get_num_threads() == 1
 
 
 def test_batches_decoded_at_once_equal_each_decoded_alone() -> None:

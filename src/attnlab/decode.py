@@ -322,7 +322,7 @@ def map_batches(
         with ThreadPoolExecutor(
             workers, initializer=torch.set_num_threads, initargs=(max(1, total // workers),)
         ) as pool:
-            return list(pool.map(fn, batches))
+            return list(pool.map(fn, batches))  # an error cancels the batches not started
     finally:  # torch also sets MKL's thread count, which is process-wide: set it back
         torch.set_num_threads(total)
 
