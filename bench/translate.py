@@ -23,7 +23,9 @@ model's weights are copied into the HF Marian model (the same post-LN architectu
 logits of both are checked equal before timing), nothing is forced, and each system decodes
 as it does for users: attnlab drops a sentence from the batch when it ends, HF keeps a batch
 running until its last sentence ends. Both outputs are scored with sacreBLEU against the
-references, so equal quality is shown, not assumed.
+references, so equal quality is shown, not assumed. With --workers > 1 attnlab is also timed as
+`attnlab translate` runs it (several batches at once), and its outputs compared with its own
+one-batch-at-a-time ones.
 
 ``--profile`` (forced-length mode) then runs each system once more under the torch profiler
 and prints where its time goes, by kind of operation. The matrix products of the projections
@@ -226,7 +228,7 @@ def natural(args: argparse.Namespace) -> None:
     """Trained weights in both systems, natural lengths; sentences/s, ratio and BLEU of each."""
     import sacrebleu
 
-    from attnlab.decode import beam_search
+    from attnlab.decode import beam_search, translate_batches
     from attnlab.tasks.translate import load_translation_model
 
     model, tokenizer = load_translation_model(args.model)
@@ -269,8 +271,21 @@ def natural(args: argparse.Namespace) -> None:
                     )
         return out
 
+    def run_ours_workers() -> list[list[int]]:
+        # As `attnlab translate` runs by default: several batches at once, the threads split.
+        hyps = translate_batches(model, [(src, mask) for _, src, mask in batches], args.workers,
+                                 args.beam, 0.6, max_len_a=0.0, max_len_b=args.max_len)  # fmt: skip
+        out: list[list[int]] = [[] for _ in sources]
+        for (rows, _, _), batch_hyps in zip(batches, hyps, strict=True):
+            for r, h in zip(rows, batch_hyps, strict=True):
+                out[r] = h
+        return out
+
+    systems = [("hf marian generate", run_hf), ("attnlab beam_search", run_ours)]
+    if args.workers > 1:
+        systems.append((f"attnlab, {args.workers} workers", run_ours_workers))
     results = {}
-    for name, fn in (("hf marian generate", run_hf), ("attnlab beam_search", run_ours)):
+    for name, fn in systems:
         fn()  # warm-up
         t0 = time.perf_counter()
         hyps = fn()
@@ -287,6 +302,12 @@ def natural(args: argparse.Namespace) -> None:
             strict=True,
         )
     )
+    workers_same = (
+        sum(a == b for a, b in zip(results["attnlab beam_search"]["hyps"],
+                                   results[f"attnlab, {args.workers} workers"]["hyps"], strict=True))
+        if args.workers > 1
+        else None
+    )  # fmt: skip
     hf_speed = results["hf marian generate"]["sentences_per_s"]
     print(f"{'decoder':22s} {'sent/s':>9s} {'seconds':>8s} {'BLEU':>6s} {'vs HF':>7s}")
     for name, r in results.items():
@@ -297,6 +318,7 @@ def natural(args: argparse.Namespace) -> None:
     print(json.dumps({"bench": "translate-natural", "model": str(args.model), "sentences": len(sources),
                       "threads": args.threads, "batch_size": args.batch_size, "beam": args.beam,
                       "max_len": args.max_len, "identical_outputs": same, "max_logit_diff": diff,
+                      "workers": args.workers, "workers_identical_to_one_batch": workers_same,
                       "ratio_vs_hf": results["attnlab beam_search"]["sentences_per_s"] / hf_speed,
                       "results": results}))  # fmt: skip
 
@@ -312,9 +334,7 @@ def main() -> None:
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--out-len", type=int, default=30, help="tokens every hypothesis gets")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument(
-        "--workers", type=int, help="batches at once, forced-length runs (default: --threads)"
-    )
+    parser.add_argument("--workers", type=int, help="batches at once (default: --threads)")
     parser.add_argument("--no-uncached", action="store_true", help="skip the KV-cache-off run")
     parser.add_argument("--model", help="trained attnlab translation model: natural lengths")
     parser.add_argument("--max-len", type=int, default=60, help="--model: max output tokens")
