@@ -304,8 +304,8 @@ def map_batches(
     """[fn(b) for b in batches], with up to ``workers`` batches in flight at once; results in order.
 
     A decoding step is many small operations, which a CPU's cores share poorly: on the 2-core
-    benchmark machine one batch decodes 1.6x faster on two threads than on one. Decoding two
-    batches at once, one thread each, keeps both cores busy instead (as Marian's and
+    benchmark machine one batch decodes ~1.6x faster on two threads than on one (RESULTS.md). Two
+    batches at once, one thread each, keep both cores busy instead (as Marian's and
     CTranslate2's CPU translators do). The torch threads are split between the workers; each
     worker is a Python thread (torch releases the GIL inside its operations). Each batch's
     result is what fn gives on that many threads alone: decoding is deterministic per thread
