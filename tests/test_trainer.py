@@ -6,6 +6,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from attnlab.train import (
     seed_everything,
 )
 from attnlab.train.grads import KeptEmbeddingGrads
+from attnlab.train.trainer import steps_within
 
 HELPER = Path(__file__).with_name("_trainer_run.py")
 WALL_CLOCK = ("tokens_per_s", "elapsed_s")
@@ -502,6 +504,29 @@ def test_max_seconds_stops_with_a_checkpoint_and_a_resume_continues(tmp_path: Pa
     rows = [r for r in read_rows(tmp_path / "run" / "metrics.jsonl") if not r.get("eval")]
     assert [r["step"] for r in rows] == list(range(1, second["step"] + 1))
     assert rows[-1]["elapsed_s"] >= 1.0
+
+
+def test_steps_within_a_time_limit() -> None:
+    assert steps_within(10_000, 10, 10.0, 60.0, 2.0) == 110  # 50 s left at 2 steps/s
+    assert steps_within(50, 10, 10.0, 60.0, 2.0) == 50  # the step count ends it first
+    assert steps_within(10_000, 10, 70.0, 60.0, 2.0) == 10  # past the limit: stops now
+    assert steps_within(10_000, 0, 0.0, 60.0, None) == 10_000  # no rate measured yet
+
+
+def test_progress_bar_of_a_time_limited_run_counts_to_where_the_clock_stops_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run of a million steps and half a second: its bar's total and ETA follow the clock."""
+    seed_everything(0)
+    config = TrainConfig(
+        out_dir=tmp_path / "run", steps=1_000_000, log_every=1, save_every=0,
+        max_seconds=0.5, device="cpu",
+    )  # fmt: skip
+    result = Trainer(TinyClassifier(), _SlowBatches(make_data(), 8, seed=1), config).fit()
+    counts = re.findall(r"\| *(\d+)/(\d+) \[", capsys.readouterr().err)
+    assert len(counts) >= 3
+    done, total = map(int, counts[-1])
+    assert done == result["step"] and total < 1_000  # ~20 steps/s for the 0.5 s left
 
 
 # ---- resume -------------------------------------------------------------------------------

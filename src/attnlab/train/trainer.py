@@ -86,6 +86,20 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def steps_within(
+    steps: int, step: int, elapsed: float, max_seconds: float, steps_per_s: float | None
+) -> int:
+    """The step a time-limited run will stop at: ``steps``, or fewer if the clock ends it first.
+
+    The progress bar's total, so that its percentage and ETA follow the time limit (a 30-minute
+    run of "100,000 steps" would otherwise show an ETA of hours).
+    """
+    if not steps_per_s:
+        return steps
+    left = max(max_seconds - elapsed, 0.0)
+    return min(steps, step + math.ceil(left * steps_per_s))
+
+
 @dataclass
 class _Window:
     """Sums of the logged values since the last row, per rank and on the device."""
@@ -234,6 +248,10 @@ class Trainer:
         cfg = self.config
         if final or self.step % cfg.log_every == 0:
             row = self._log_window()
+            if cfg.max_seconds is not None and not final and not bar.disable:
+                bar.total = steps_within(
+                    cfg.steps, self.step, self._elapsed(), cfg.max_seconds, bar.format_dict["rate"]
+                )
             bar.set_postfix(
                 loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}"
             )
