@@ -87,7 +87,7 @@ def build_corpus(folder: Path, lang: str) -> Path:
         docs = interleave(chinese_documents(), english_documents())
     text = "\n\n".join("\n".join(s for s in doc if s.strip()) for doc in docs if doc)
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # the two runs may build it at once
     tmp.write_text(text + "\n", encoding="utf-8")
     tmp.replace(path)
     return path
