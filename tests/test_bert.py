@@ -51,8 +51,10 @@ def test_minilm_attention_weights_match_hf(minilm_dir, hf_tokenizer):
             output_hidden_states=True,
         )
     assert len(out.attentions) == len(ref.attentions) == 6
+    # Probabilities after six layers: fp32 rounding differs by host (1.02e-5 measured on an
+    # Intel Xeon, under 1e-5 on AMD EPYC); a wrong scale or mask moves them by 1e-2 or more.
     for a, b in zip(out.attentions, ref.attentions, strict=True):
-        assert (a - b).abs().max().item() <= 1e-5
+        assert (a - b).abs().max().item() <= 5e-5
     assert len(out.hidden_states) == len(ref.hidden_states) == 7
     real = batch["attention_mask"].bool()
     for a, b in zip(out.hidden_states, ref.hidden_states, strict=True):
