@@ -1,4 +1,4 @@
-"""attnlab.nn.linear: oneDNN's product and gradients equal F.linear's (the reference)."""
+"""attnlab.nn.linear: the training products and gradients equal F.linear's (the reference)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.nn.linear import Linear, _OnednnLinear, linear
+import attnlab.nn.linear as linear_module
+from attnlab.nn.linear import Linear, _TrainingLinear, cpu_vendor, linear
 from attnlab.nn.packed import can_pack
+
+
+@pytest.fixture(params=["onednn", "mkl"])
+def route(request, monkeypatch):
+    """Both libraries' route, on whatever CPU runs the tests (AMD takes oneDNN, others MKL)."""
+    monkeypatch.setattr(linear_module, "onednn_trains_faster", lambda: request.param == "onednn")
+    return request.param
 
 
 def grads_of(fn, x, w, b, upstream):
@@ -21,7 +29,7 @@ def grads_of(fn, x, w, b, upstream):
 
 @pytest.mark.parametrize("shape", [(7, 24), (3, 5, 24), (2, 3, 4, 24)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_values_and_gradients_equal_f_linear(shape, bias):
+def test_values_and_gradients_equal_f_linear(shape, bias, route):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g)
     w = torch.randn(40, 24, generator=g)
@@ -44,11 +52,11 @@ def test_only_the_gradients_asked_for():
     assert x.grad is None
 
 
-def test_onednn_serves_cpu_fp32_and_nothing_else(monkeypatch):
+def test_training_route_serves_cpu_fp32_and_nothing_else(monkeypatch):
     assert can_pack(torch.randn(4, 8))  # this CPU build has oneDNN: the fast path is tested
     calls = []
-    apply = _OnednnLinear.apply
-    monkeypatch.setattr(_OnednnLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+    apply = _TrainingLinear.apply
+    monkeypatch.setattr(_TrainingLinear, "apply", lambda *a: calls.append(1) or apply(*a))
     x, w = torch.randn(3, 8), torch.randn(4, 8, requires_grad=True)
     linear(x, w)
     assert len(calls) == 1
@@ -70,3 +78,18 @@ def test_linear_module_is_a_drop_in_nn_linear():
     x = torch.randn(2, 3, 8)
     torch.testing.assert_close(ours(x), plain(x))
     assert isinstance(ours, torch.nn.Linear)
+
+
+def test_the_route_follows_the_cpu_vendor(monkeypatch, tmp_path, route):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")
+    assert cpu_vendor(str(info)) == "AuthenticAMD"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\n")
+    assert cpu_vendor(str(info)) == "GenuineIntel"
+    assert cpu_vendor(str(tmp_path / "missing")) == ""
+    calls = []
+    onednn = linear_module._onednn
+    monkeypatch.setattr(linear_module, "_onednn", lambda *a: calls.append(1) or onednn(*a))
+    x, w = torch.randn(3, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    linear(x, w).sum().backward()  # forward and input gradient
+    assert len(calls) == (2 if route == "onednn" else 0)

@@ -1,12 +1,15 @@
-"""``linear`` and ``Linear``: y = x W^T + b, in training on CPU fp32 through oneDNN (same math).
+"""``linear`` and ``Linear``: y = x W^T + b, in training on CPU fp32 by the faster library (same math).
 
-On CPU, ``F.linear`` and ``torch.mm`` call MKL's general matrix product. oneDNN's product
-(the library PyTorch ships for its CPU convolutions, reached through the same
-``torch.ops.mkldnn._linear_pointwise`` op that packed inference uses, nn/packed.py) was
-1.1-1.2x faster on the benchmark machine for the shapes of a BERT training step, and a whole
-bert-small step 5-8% faster (bench/RESULTS.md). So while gradients are on, the forward product
-and the gradient with respect to the input go through oneDNN; the weight's gradient (dy^T x)
-stays with ``torch.mm``, which oneDNN did not beat there.
+On CPU, ``F.linear`` and ``torch.mm`` call MKL's general matrix product. On AMD processors
+oneDNN's product (the library PyTorch ships for its CPU convolutions, reached through the
+same ``torch.ops.mkldnn._linear_pointwise`` op that packed inference uses, nn/packed.py) was
+1.1-1.2x faster for the shapes of a BERT training step, and a whole bert-small step 5-8%
+faster; on an Intel Xeon MKL was the faster one, by 2-3% (bert-small) and 8% (bert-base) a
+step (bench/RESULTS.md). So while gradients are on, the forward product and the gradient
+with respect to the input go through oneDNN on AMD and MKL elsewhere; the weight's gradient
+(dy^T x) is ``torch.mm`` everywhere, which oneDNN did not beat. The choice follows the CPU's
+vendor, not a timing, so every run on a machine computes the same floats (resume is
+bit-exact).
 
 Anything else runs plain ``F.linear``: inference (packed_linears serves that), weights or
 inputs that are not CPU fp32, bf16 autocast, and code traced by ``torch.compile`` (which
@@ -16,6 +19,8 @@ brings its own kernels). Results and gradients equal ``F.linear``'s to float rou
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -24,19 +29,47 @@ from torch.autograd.function import once_differentiable
 from attnlab.nn.packed import can_pack
 
 
+def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's vendor id as Linux reports it (e.g. "AuthenticAMD"), or "" where unknown."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+@functools.cache
+def onednn_trains_faster() -> bool:
+    """Whether training products take oneDNN here: on AMD CPUs, where it beat MKL."""
+    return cpu_vendor() == "AuthenticAMD"
+
+
 def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """x (..., in) @ weight (out, in)^T + bias, by oneDNN."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-class _OnednnLinear(torch.autograd.Function):
-    """F.linear with the forward product and the input gradient computed by oneDNN."""
+def _product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x (..., in) @ weight (out, in)^T + bias, by this CPU's faster library (module docstring)."""
+    return _onednn(x, weight, bias) if onednn_trains_faster() else F.linear(x, weight, bias)
+
+
+class _TrainingLinear(torch.autograd.Function):
+    """F.linear whose weight gradient is a contiguous tensor of its own, products by _product.
+
+    The weight gradient comes out as one (out, in) product, where F.linear's autograd gives
+    the transpose of an (in, out) one: a tied embedding table then takes the lookups' rows in
+    place instead of being copied whole (tied_weight, train/grads.py).
+    """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """x (..., in) -> (..., out)."""
         ctx.save_for_backward(x, weight)
-        return _onednn(x, weight, bias)
+        return _product(x, weight, bias)
 
     @staticmethod
     @once_differentiable
@@ -46,7 +79,7 @@ class _OnednnLinear(torch.autograd.Function):
         rows = grad.reshape(-1, grad.shape[-1])  # (tokens, out)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = _onednn(grad.contiguous(), weight.t(), None)  # dy W
+            grad_x = _product(grad.contiguous(), weight.t(), None)  # dy W
         if ctx.needs_input_grad[1]:
             grad_weight = rows.t() @ x.reshape(-1, x.shape[-1])  # dy^T x
         if ctx.needs_input_grad[2]:  # False when there is no bias
@@ -55,7 +88,7 @@ class _OnednnLinear(torch.autograd.Function):
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """y = x W^T + b: oneDNN for CPU fp32 tensors that need gradients, F.linear otherwise."""
+    """y = x W^T + b; for CPU fp32 tensors that need gradients, through _TrainingLinear."""
     if (
         torch.is_grad_enabled()
         and (weight.requires_grad or x.requires_grad)
@@ -68,7 +101,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
     ):
-        return _OnednnLinear.apply(x.contiguous(), weight, bias)
+        return _TrainingLinear.apply(x.contiguous(), weight, bias)
     return F.linear(x, weight, bias)
 
 
