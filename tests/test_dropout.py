@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.nn.attention import padding_bias, scaled_dot_product_attention
-from attnlab.nn.dropout import Dropout, drop_mask, dropout
+from attnlab.nn.dropout import Dropout, add_dropout, drop_mask, dropout
 
 N = 1 << 20  # elements: the rate is then known to about 3e-4 (one standard error at p = 0.1)
 
@@ -120,3 +120,21 @@ def test_matches_torch_dropout_in_distribution() -> None:
     ours, theirs = dropout(x, 0.1), F.dropout(x, 0.1)
     assert abs((ours == 0).float().mean() - (theirs == 0).float().mean()) < 0.003
     assert abs(ours.mean() - theirs.mean()) < 0.003
+
+
+def test_residual_sum_equals_x_plus_dropout_with_the_same_mask() -> None:
+    g = torch.Generator().manual_seed(10)
+    x, h, upstream = (torch.randn(4, 9, 16, generator=g) for _ in range(3))
+    leaves = [t.clone().requires_grad_(True) for t in (x, h, x, h)]
+    torch.manual_seed(11)
+    fused = add_dropout(leaves[0], leaves[1], 0.1)
+    torch.manual_seed(11)
+    reference = leaves[2] + dropout(leaves[3], 0.1)  # the unfused definition
+    torch.testing.assert_close(fused, reference, rtol=0, atol=1e-6)
+    assert 0.05 < (fused == leaves[0]).float().mean().item() < 0.15  # about p dropped
+    (fused * upstream).sum().backward()
+    (reference * upstream).sum().backward()
+    torch.testing.assert_close(leaves[0].grad, upstream)  # the residual path: untouched
+    torch.testing.assert_close(leaves[1].grad, leaves[3].grad, rtol=0, atol=1e-6)
+    module = Dropout(0.1).eval()  # evaluation: a plain sum
+    assert torch.equal(module.residual(x, h), x + h)

@@ -120,9 +120,13 @@ class EncoderLayer(nn.Module):
         )  # fmt: skip
         if rows is not None:
             x, h = rows.flatten(gather_rows(x, rows.index)), rows.flatten(h)
-        x = x + self.dropout(h) if self.pre_norm else self.norm1(x + self.dropout(h))
+        x = self.dropout.residual(x, h)  # x + dropout(h), then LN in the post-LN arrangement
+        if not self.pre_norm:
+            x = self.norm1(x)
         h = self.ffn(self.norm2(x) if self.pre_norm else x)
-        x = x + self.dropout(h) if self.pre_norm else self.norm2(x + self.dropout(h))
+        x = self.dropout.residual(x, h)
+        if not self.pre_norm:
+            x = self.norm2(x)
         return x, weights
 
 
@@ -151,7 +155,8 @@ class DecoderLayer(nn.Module):
         self.dropout = Dropout(dropout)
 
     def _residual(self, x: Tensor, h: Tensor, norm: nn.LayerNorm) -> Tensor:
-        return x + self.dropout(h) if self.pre_norm else norm(x + self.dropout(h))
+        x = self.dropout.residual(x, h)  # x + dropout(h), then LN in the post-LN arrangement
+        return x if self.pre_norm else norm(x)
 
     def forward(
         self,

@@ -25,28 +25,47 @@ from torch.autograd.function import FunctionCtx
 _LEVELS = 1 << 16  # values of one 16-bit random integer
 
 
-def drop_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.device) -> Tensor:
-    """Boolean mask of ``shape``, True (dropped) with probability round(p * 2**16) / 2**16."""
+def _uniform16(shape: torch.Size | tuple[int, ...], device: torch.device) -> Tensor:
+    """Uniform random int16 of shape: four per 64-bit draw of the default generator."""
     n = math.prod(shape)
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device)
     words.random_(-(1 << 63), None)  # every 64-bit pattern equally likely
-    uniform = words.view(torch.int16)[:n].view(shape)  # four 16-bit integers per draw
-    return uniform < round(p * _LEVELS) - _LEVELS // 2
+    return words.view(torch.int16)[:n].view(shape)
+
+
+def _threshold(p: float) -> int:
+    # int16 values below this are the lowest round(p * 2**16) of the 65,536
+    return round(p * _LEVELS) - _LEVELS // 2
+
+
+def drop_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.device) -> Tensor:
+    """Boolean mask of ``shape``, True (dropped) with probability round(p * 2**16) / 2**16."""
+    return _uniform16(shape, device) < _threshold(p)
+
+
+def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.device) -> Tensor:
+    """The complement of drop_mask from the same draws, as uint8 (1 = kept) for one-pass products."""
+    return (_uniform16(shape, device) >= _threshold(p)).view(torch.uint8)
 
 
 class _MaskedScale(torch.autograd.Function):
-    """y = x with the masked elements zeroed, times scale; the gradient is masked the same way."""
+    """y = x * keep * scale in one pass (keep is 0/1); the gradient is masked the same way.
+
+    One ``addcmul`` reads x and the 1-byte mask and writes y, where ``where`` then ``mul_``
+    pass over the data twice (1.9 against 4.0 ms on a (32, 8, 128, 128) tensor, one-off,
+    2 threads). A dropped element is x * 0, so an infinite or NaN input gives NaN there.
+    """
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, drop: Tensor, scale: float) -> Tensor:
-        ctx.save_for_backward(drop)
+    def forward(ctx: FunctionCtx, x: Tensor, keep: Tensor, scale: float) -> Tensor:
+        ctx.save_for_backward(keep)
         ctx.scale = scale
-        return torch.where(drop, 0.0, x).mul_(scale)
+        return torch.addcmul(x.new_zeros(()), x, keep, value=scale)
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None]:
-        (drop,) = ctx.saved_tensors
-        return torch.where(drop, 0.0, grad).mul_(ctx.scale), None, None
+        (keep,) = ctx.saved_tensors
+        return torch.addcmul(grad.new_zeros(()), grad, keep, value=ctx.scale), None, None
 
 
 def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
@@ -60,7 +79,37 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
         return x
     if dropped == _LEVELS:
         return x * 0.0
-    return _MaskedScale.apply(x, drop_mask(x.shape, p, x.device), _LEVELS / (_LEVELS - dropped))
+    return _MaskedScale.apply(x, keep_mask(x.shape, p, x.device), _LEVELS / (_LEVELS - dropped))
+
+
+class _AddMaskedScale(torch.autograd.Function):
+    """y = x + h * keep * scale in one pass: a residual sum with its dropout (see _MaskedScale)."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, h: Tensor, keep: Tensor, scale: float) -> Tensor:
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return torch.addcmul(x, h, keep, value=scale)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
+        (keep,) = ctx.saved_tensors
+        return grad, torch.addcmul(grad.new_zeros(()), grad, keep, value=ctx.scale), None, None
+
+
+def add_dropout(x: Tensor, h: Tensor, p: float, training: bool = True) -> Tensor:
+    """x + dropout(h, p): a residual connection's sum, one pass on CPU while training."""
+    fused = (
+        training
+        and x.device.type == "cpu"
+        and x.shape == h.shape
+        and x.dtype == h.dtype
+        and 0 < round(p * _LEVELS) < _LEVELS
+    )
+    if not fused:
+        return x + dropout(h, p, training)
+    scale = _LEVELS / (_LEVELS - round(p * _LEVELS))
+    return _AddMaskedScale.apply(x, h, keep_mask(h.shape, p, h.device), scale)
 
 
 class Dropout(nn.Dropout):
@@ -69,3 +118,7 @@ class Dropout(nn.Dropout):
     def forward(self, x: Tensor) -> Tensor:
         """x -> x with elements dropped and the rest rescaled (training), or x (evaluation)."""
         return dropout(x, self.p, self.training)
+
+    def residual(self, x: Tensor, h: Tensor) -> Tensor:
+        """x + self(h), the residual connection around a sublayer, in one pass (add_dropout)."""
+        return add_dropout(x, h, self.p, self.training)
