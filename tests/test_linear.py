@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import attnlab.nn.linear as linear_module
-from attnlab.nn.linear import Linear, _TrainingLinear, cpu_vendor, linear
+from attnlab.cpu import cpu_vendor
+from attnlab.nn.linear import Linear, _TrainingLinear, linear
 from attnlab.nn.packed import can_pack
 
 

@@ -240,6 +240,18 @@ def test_bf16_runs_the_forward_pass_under_autocast(tmp_path: Path) -> None:
     assert next(trainer.model.parameters()).dtype == torch.float32  # master weights stay fp32
 
 
+@pytest.mark.parametrize("native", [False, True, None])
+def test_bf16_on_a_cpu_without_bf16_instructions_warns(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, native
+) -> None:
+    import attnlab.train.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "has_bf16_matmul", lambda: native)
+    train(tmp_path / "run", steps=1, precision="bf16", save_every=0)
+    warned = "no bf16 matrix instructions" in capsys.readouterr().err
+    assert warned == (native is False)  # unknown (not Linux): no warning
+
+
 def test_grad_accum_of_half_batches_equals_one_full_batch(tmp_path: Path) -> None:
     common = {"steps": 5, "dropout": 0.0, "eval_every": 0, "save_every": 0}
     _, whole = train(tmp_path / "whole", batch_size=8, grad_accum=1, **common)

@@ -26,19 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from attnlab.cpu import cpu_vendor
 from attnlab.nn.packed import can_pack
-
-
-def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The CPU's vendor id as Linux reports it (e.g. "AuthenticAMD"), or "" where unknown."""
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
 
 
 @functools.cache

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from attnlab.cpu import has_bf16_matmul
 from attnlab.errors import AttnlabError
 from attnlab.train.checkpoint import (
     capture_rng,
@@ -146,6 +147,13 @@ class Trainer:
         self.rank, self.world_size, local_rank = init_distributed()
         self.is_main = self.rank == 0
         self.device = _resolve_device(config.device, local_rank)
+        cpu_bf16 = config.precision == "bf16" and self.device.type == "cpu"
+        if cpu_bf16 and self.is_main and has_bf16_matmul() is False:  # emulated (attnlab/cpu.py)
+            print(
+                "warning: this CPU has no bf16 matrix instructions (avx512_bf16, amx_bf16): "
+                "--precision bf16 runs slower than fp32 here",
+                file=sys.stderr,
+            )
         self.model = model.to(self.device)
         self.batches = batches
         self.batches.set_rank(self.rank, self.world_size)
