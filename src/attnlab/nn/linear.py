@@ -4,7 +4,7 @@ On CPU, ``F.linear`` and ``torch.mm`` call MKL's general matrix product. On AMD 
 oneDNN's product (the library PyTorch ships for its CPU convolutions, reached through the
 same ``torch.ops.mkldnn._linear_pointwise`` op that packed inference uses, nn/packed.py) was
 1.1-1.2x faster for the shapes of a BERT training step, and a whole bert-small step 5-8%
-faster; on an Intel Xeon MKL was the faster one, by 2-3% (bert-small) and 8% (bert-base) a
+faster; on an Intel Xeon MKL was the faster one, by 1-4% (bert-small) and 8-11% (bert-base) a
 step (bench/RESULTS.md). So while gradients are on, the forward product and the gradient
 with respect to the input go through oneDNN on AMD and MKL elsewhere; the weight's gradient
 (dy^T x) is ``torch.mm`` everywhere, which oneDNN did not beat. The choice follows the CPU's
