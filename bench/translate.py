@@ -4,7 +4,10 @@ The same source sentences (Multi30k test2016 German, first --n lines) are tokeni
 joint BPE vocabulary learnt on Multi30k train (de + en), sorted by length and cut into the same
 batches for both. Both models have identical sizes (a TransformerConfig preset: vocabulary,
 d_model, layers, heads, d_ff; shared embeddings and tied output; ReLU; sinusoidal positions)
-and random weights, fp32, the same thread count, beam 4, length penalty 0.6.
+and random weights, fp32, the same thread count, beam 4, length penalty 0.6, and batches of
+--batch-size sentences: by default 64, what `attnlab translate` uses unless told otherwise.
+The ratio depends on it (HF's speed hardly moves with the batch size, attnlab's grows with it;
+bench/RESULTS.md has the curve from 8 to 128), so a run states its batch size.
 
 Random weights give arbitrary output lengths, so both searches are forced to the same length:
 <eos> is suppressed (attnlab: its logit set to -1e4; HF: ``min_new_tokens``) until every
@@ -360,7 +363,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--preset", default="transformer-base")
     parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--batch-size", type=int, default=32, help="sentences per batch")
+    parser.add_argument(
+        "--batch-size", type=int, default=64, help="sentences per batch (`attnlab translate`'s 64)"
+    )
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--out-len", type=int, default=30, help="tokens every hypothesis gets")
     parser.add_argument("--repeats", type=int, default=1, help="timed passes, best kept")
