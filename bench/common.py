@@ -13,6 +13,8 @@ from typing import TypeVar
 
 import torch
 
+from attnlab.cpu import cpu_field
+
 T = TypeVar("T")
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -71,14 +73,7 @@ def best_time(fn: Callable[[], T], repeats: int) -> tuple[float, T]:
 
 def machine() -> str:
     """One line describing where the numbers come from."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_field("model name") or platform.processor() or platform.machine()
     return (
         f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads"
