@@ -35,7 +35,7 @@ from attnlab.train import (
     read_rows,
     seed_everything,
 )
-from attnlab.train.grads import KeptEmbeddingGrads
+from attnlab.train.grads import KeptEmbeddingGrads, clip_grad_norm_, clipped_step
 from attnlab.train.trainer import steps_within
 
 HELPER = Path(__file__).with_name("_trainer_run.py")
@@ -440,11 +440,38 @@ def test_kept_buffer_rows_zeroing_and_clipping_equal_torchs(
                 backward(micro_batches)
                 assert torch.equal(kept.rows[id(word.weight)], with_rows)
                 assert word.weight.grad is kept.buffers[id(word.weight)]
-                norm = kept.clip_grad_norm_(model.parameters(), max_norm)
+                norm = clip_grad_norm_(model.parameters(), max_norm, kept)
                 torch.testing.assert_close(norm, dense_norm, atol=1e-12, rtol=1e-12)
                 for name, p in model.named_parameters():
                     torch.testing.assert_close(p.grad, dense[name], atol=1e-12, rtol=1e-12)
                 model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("max_norm", [0.05, 1e9, math.inf])
+def test_clipped_step_equals_torchs_clipping_then_step(fused: bool, max_norm: float) -> None:
+    # A fused AdamW clips through its grad_scale (no separate pass over the gradients); the
+    # foreach kernel gets them scaled first. Either way the step must equal torch's
+    # clip_grad_norm_ followed by the same optimiser's step, and the norm returned be torch's.
+    torch.manual_seed(2)
+    models = [nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [build_optimizer(m, lr=1e-2, weight_decay=0.01, fused=fused) for m in models]
+    x = torch.randn(8, 6)
+    for _ in range(3):
+        for m in models:
+            (m(x) ** 2).sum().backward()
+        expected = torch.nn.utils.clip_grad_norm_(models[0].parameters(), max_norm)
+        opts[0].step()
+        norm = clipped_step(opts[1], models[1].parameters(), max_norm, None)
+        torch.testing.assert_close(norm, expected)
+        assert not hasattr(opts[1], "grad_scale")  # no clipping left behind for the next step
+        for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+    if max_norm == 0.05:
+        assert float(expected) > 10 * max_norm  # the clipping did act
 
 
 def test_on_best_is_called_exactly_when_the_tracked_metric_improves(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ from attnlab.train.distributed import (
     raise_together,
     shutdown_distributed,
 )
-from attnlab.train.grads import clip_grad_norm_, kept_embedding_grads
+from attnlab.train.grads import clipped_step, kept_embedding_grads
 from attnlab.train.memory import keep_freed_memory
 from attnlab.train.trainer import METRICS_FILE, TrainConfig, Trainer
 
@@ -486,8 +486,7 @@ def training_step(
         with autocast, kept or nullcontext():  # the lookups' kind is fixed in the forward pass
             loss = model(**batch)["loss"]
         loss.backward()
-        clip_grad_norm_(model.parameters(), 1.0, kept)
-        optimizer.step()
+        clipped_step(optimizer, model.parameters(), 1.0, kept)
         optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 

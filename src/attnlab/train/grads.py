@@ -16,7 +16,7 @@ checkpoints see the same dense ``.grad`` as before; only where it is stored chan
 
 A kept buffer is zero outside the rows this step's lookups touched (a few hundred of a
 vocabulary's tens of thousands), and the buffer knows which: the next step zeroes only those
-rows, and ``clip_grad_norm_`` reads and scales only those rows instead of the whole table
+rows, and the clipping (``clip_grad_norm_``, ``clipped_step``) reads and scales only those rows instead of the whole table
 (whose norm and scaling are otherwise a pass each over it, every step).
 """
 
@@ -105,31 +105,6 @@ class KeptEmbeddingGrads:
         else:
             self.rows.pop(key, None)
 
-    def clip_grad_norm_(self, parameters: Iterable[Tensor], max_norm: float) -> Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` (2-norm) that reads and scales only a kept buffer's rows."""
-        grads, rows = [], []
-        for p in parameters:
-            if p.grad is not None:
-                kept = p.grad is self.buffers.get(id(p))
-                grads.append(p.grad)
-                rows.append(self.rows.get(id(p)) if kept else None)
-        if not grads:
-            return torch.tensor(0.0)
-        # The rest of a kept buffer is zero: its norm is that of its rows.
-        norms = [
-            torch.linalg.vector_norm(g if r is None else g.index_select(0, r))
-            for g, r in zip(grads, rows, strict=True)
-        ]
-        total = torch.linalg.vector_norm(torch.stack(norms))
-        if max_norm < math.inf:
-            scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch's clip_grad_norm_
-            for g, r in zip(grads, rows, strict=True):
-                if r is None:
-                    g.mul_(scale)
-                else:
-                    g.index_copy_(0, r, g.index_select(0, r).mul_(scale))
-        return total
-
 
 def kept_embedding_grads(
     model: nn.Module, compiled: bool = False, distributed: bool = False
@@ -143,10 +118,83 @@ def kept_embedding_grads(
     return KeptEmbeddingGrads(model) if on_cpu and not compiled and not distributed else None
 
 
+def _grads_and_rows(
+    parameters: Iterable[Tensor], kept: KeptEmbeddingGrads | None
+) -> list[tuple[Tensor, Tensor | None]]:
+    """Each gradient with the rows it may hold nonzero (a kept buffer's), or None for any row."""
+    pairs = []
+    for p in parameters:
+        if p.grad is not None:
+            is_kept = kept is not None and p.grad is kept.buffers.get(id(p))
+            pairs.append((p.grad, kept.rows.get(id(p)) if is_kept else None))
+    return pairs
+
+
+def _total_norm(pairs: list[tuple[Tensor, Tensor | None]]) -> Tensor:
+    """The 2-norm of all gradients together; a kept buffer's is that of its rows (the rest is 0)."""
+    if not pairs:
+        return torch.tensor(0.0)
+    norms = [torch.linalg.vector_norm(g if r is None else g.index_select(0, r)) for g, r in pairs]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _clip_coefficient(total: Tensor, max_norm: float) -> Tensor:
+    return (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch's clip_grad_norm_
+
+
 def clip_grad_norm_(
     parameters: Iterable[Tensor], max_norm: float, kept: KeptEmbeddingGrads | None
 ) -> Tensor:
-    """Scale gradients to a total 2-norm of at most max_norm; the norm before (kept's rows-only clip if any)."""
-    if kept is None:
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-    return kept.clip_grad_norm_(parameters, max_norm)
+    """Scale gradients to a total 2-norm of at most max_norm (none if inf); the norm before.
+
+    torch's ``clip_grad_norm_``, except that a kept buffer's norm and scaling read only its rows.
+    """
+    pairs = _grads_and_rows(parameters, kept)
+    total = _total_norm(pairs)
+    if max_norm < math.inf and pairs:
+        _scale_(pairs, _clip_coefficient(total, max_norm))
+    return total
+
+
+def _scale_(pairs: list[tuple[Tensor, Tensor | None]], scale: Tensor) -> None:
+    for g, r in pairs:
+        if r is None:
+            g.mul_(scale)
+        else:
+            g.index_copy_(0, r, g.index_select(0, r).mul_(scale))
+
+
+def _takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether optimizer.step() divides the gradients by ``optimizer.grad_scale`` as it reads them."""
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and all(
+        group.get("fused") for group in optimizer.param_groups
+    )
+
+
+def clipped_step(
+    optimizer: torch.optim.Optimizer,
+    parameters: Iterable[Tensor],
+    max_norm: float,
+    kept: KeptEmbeddingGrads | None,
+) -> Tensor:
+    """optimizer.step() on gradients clipped to a total 2-norm of max_norm; the norm before.
+
+    PyTorch's fused Adam and AdamW divide each gradient by their ``grad_scale`` (there for
+    mixed-precision loss scaling) as they read it: given 1 / the clipping factor they clip
+    in the same pass, and the separate pass that scales every gradient in place (about 13 ms of
+    a 1.3 s bert-small step on a 2-core Xeon) is not needed. Other optimizers get the
+    gradients scaled first.
+    """
+    pairs = _grads_and_rows(parameters, kept)
+    total = _total_norm(pairs)
+    if max_norm < math.inf and pairs and _takes_grad_scale(optimizer):
+        optimizer.grad_scale = _clip_coefficient(total, max_norm).reciprocal()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale
+        return total
+    if max_norm < math.inf and pairs:
+        _scale_(pairs, _clip_coefficient(total, max_norm))
+    optimizer.step()
+    return total

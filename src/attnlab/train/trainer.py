@@ -49,7 +49,7 @@ from attnlab.train.distributed import (
     gather_objects,
     init_distributed,
 )
-from attnlab.train.grads import clip_grad_norm_, kept_embedding_grads
+from attnlab.train.grads import clipped_step, kept_embedding_grads
 from attnlab.train.log import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss_curve
 from attnlab.train.memory import keep_freed_memory
 from attnlab.train.optim import build_optimizer, build_scheduler
@@ -291,11 +291,10 @@ class Trainer:
                 value = value.detach().float() / cfg.grad_accum
                 values[key] = values[key] + value if key in values else value
         max_norm = cfg.clip_norm if cfg.clip_norm else math.inf
-        values["grad_norm"] = clip_grad_norm_(
-            self.model.parameters(), max_norm, self._embedding_grads
-        )
         self._last_lr = self.optimizer.param_groups[0]["lr"]  # the lr this step used
-        self.optimizer.step()
+        values["grad_norm"] = clipped_step(
+            self.optimizer, self.model.parameters(), max_norm, self._embedding_grads
+        )
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return values, tokens
