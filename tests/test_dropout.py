@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.nn.attention import padding_bias, scaled_dot_product_attention
+from attnlab.nn.attention import MultiHeadAttention, padding_bias, scaled_dot_product_attention
 from attnlab.nn.dropout import Dropout, add_dropout, drop_mask, dropout
 
 N = 1 << 20  # elements: the rate is then known to about 3e-4 (one standard error at p = 0.1)
@@ -138,3 +138,48 @@ def test_residual_sum_equals_x_plus_dropout_with_the_same_mask() -> None:
     torch.testing.assert_close(leaves[1].grad, leaves[3].grad, rtol=0, atol=1e-6)
     module = Dropout(0.1).eval()  # evaluation: a plain sum
     assert torch.equal(module.residual(x, h), x + h)
+
+
+@pytest.mark.parametrize("case", ["self", "padded", "causal", "rows", "cross"])
+def test_training_attention_equals_the_explicit_path_with_the_same_mask(case: str) -> None:
+    # Training on CPU with attention dropout runs _DropoutAttention (projections in, heads
+    # merged out, its own backward pass); need_weights=True runs the explicit path, autograd
+    # over the formula. From the same seed they drop the same weights: same output, same
+    # gradients for the inputs and every weight.
+    g = torch.Generator().manual_seed(11)
+    mha = MultiHeadAttention(16, 4, dropout=0.2, cross=case == "cross").train()
+    x = torch.randn(3, 7, 16, generator=g, requires_grad=True)
+    memory = torch.randn(3, 5, 16, generator=g, requires_grad=True) if case == "cross" else None
+    keep = torch.ones(3, 5 if case == "cross" else 7, dtype=torch.long)
+    keep[1, 3:] = 0
+    bias = padding_bias(keep, torch.float32) if case in ("padded", "rows", "cross") else None
+    rows = torch.tensor([[0, 2], [1, 2], [0, 6]]) if case == "rows" else None
+    upstream = torch.randn(3, 2 if case == "rows" else 7, 16, generator=g)
+    results = []
+    for need_weights in (False, True):
+        torch.manual_seed(12)
+        out, weights, _ = mha(
+            x, memory, bias, causal=case == "causal", need_weights=need_weights, query_rows=rows
+        )
+        assert (weights is None) != need_weights  # each call took the path meant
+        inputs = [x, *([memory] if memory is not None else []), *mha.parameters()]
+        results.append((out, torch.autograd.grad(out, inputs, upstream)))
+    (fused, fused_grads), (explicit, explicit_grads) = results
+    torch.testing.assert_close(fused, explicit, rtol=1e-5, atol=1e-6)
+    for a, b in zip(fused_grads, explicit_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_training_attention_gradient_is_the_numerical_one() -> None:
+    # float64 central differences through _DropoutAttention, the mask drawn from one seed
+    # in every evaluation.
+    g = torch.Generator().manual_seed(13)
+    mha = MultiHeadAttention(8, 2, dropout=0.3).double().train()
+    x = torch.randn(2, 5, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = padding_bias(torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]), torch.float64)
+
+    def attend(x: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(14)
+        return mha(x, bias=bias)[0]
+
+    assert torch.autograd.gradcheck(attend, (x,))

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import FunctionCtx
 
 from attnlab.errors import AttnlabError
-from attnlab.nn.dropout import dropout
+from attnlab.nn.dropout import dropout, dropout_scale, has_keep_mask, keep_mask
 from attnlab.nn.linear import Linear, linear
 
 
@@ -40,6 +41,16 @@ def padding_bias(attention_mask: Tensor, dtype: torch.dtype) -> Tensor:
     keep = attention_mask.to(torch.bool)[:, None, None, :]
     bias = torch.zeros(keep.shape, dtype=dtype, device=attention_mask.device)
     return bias.masked_fill_(~keep, torch.finfo(dtype).min)
+
+
+def with_causal_bias(
+    bias: Tensor | None, q_len: int, k_len: int, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """bias plus a large negative where query i may not see key j (causal_mask's False)."""
+    future = ~causal_mask(q_len, k_len, device)
+    causal_bias = torch.zeros(future.shape, dtype=dtype, device=device)
+    causal_bias.masked_fill_(future, torch.finfo(dtype).min)
+    return causal_bias if bias is None else bias + causal_bias
 
 
 def scaled_dot_product_attention(
@@ -70,11 +81,7 @@ def scaled_dot_product_attention(
     explicit = need_weights or few_queries or cpu_dropout
     if causal and (bias is not None or q_len != k_len or explicit):
         # SDPA's is_causal aligns the mask top-left; cached decoding needs it bottom-right.
-        future = ~causal_mask(q_len, k_len, q.device)
-        causal_bias = torch.zeros(future.shape, dtype=q.dtype, device=q.device)
-        causal_bias.masked_fill_(future, torch.finfo(q.dtype).min)
-        bias = causal_bias if bias is None else bias + causal_bias
-        causal = False
+        bias, causal = with_causal_bias(bias, q_len, k_len, q.dtype, q.device), False
     if not explicit:
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=causal
@@ -88,6 +95,78 @@ def scaled_dot_product_attention(
     weights = torch.softmax(scores, dim=-1)
     probs = dropout(weights, dropout_p)
     return torch.matmul(probs, v), weights if need_weights else None
+
+
+class _DropoutAttention(torch.autograd.Function):
+    """Training attention on CPU with dropout on the weights, from projections to merged heads.
+
+    Computes what the explicit path computes, ``softmax(q k^T / sqrt(d) + bias)`` with
+    dropout, times v, but takes the projections' outputs as they come, (batch, len, n d_model)
+    with heads side by side, and returns heads concatenated, (batch, q_len, d_model): autograd
+    then keeps no per-head views, whose backward pass stacks and copies the gradients of q, k
+    and v twice over. The scale sqrt(d) is applied while q is copied to one block per head, the
+    dropout scale to the (q_len, d_head) products instead of the (q_len, k_len) weights, and
+    the dropped weights are the softmax times a 1-byte keep mask (nn/dropout.py's, so the same
+    seed drops the same weights as the explicit path).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        q_in: Tensor,
+        kv_in: Tensor | None,
+        heads: int,
+        bias: Tensor | None,
+        p: float,
+    ) -> Tensor:
+        # q_in: (batch, q_len, 3 d_model) holding q, k, v (self-attention, kv_in None), or
+        # (batch, q_len, d_model) with kv_in (batch, k_len, 2 d_model) holding k, v.
+        fused = kv_in is None
+        b, q_len = q_in.shape[:2]
+        d_model = q_in.shape[-1] // 3 if fused else q_in.shape[-1]
+        kv = q_in[..., d_model:] if fused else kv_in
+        k_len, d = kv.shape[1], d_model // heads
+        q = q_in[..., :d_model].view(b, q_len, heads, d).transpose(1, 2)
+        k, v = kv.view(b, k_len, 2, heads, d).permute(2, 0, 3, 1, 4)
+        scaled_q = q.new_empty(b * heads, q_len, d)
+        torch.mul(q, 1.0 / math.sqrt(d), out=scaled_q.view(b, heads, q_len, d))
+        k = k.reshape(b * heads, k_len, d)
+        v = v.reshape(b * heads, k_len, d)
+        scores = torch.bmm(scaled_q, k.transpose(1, 2))
+        if bias is not None:
+            scores.view(b, heads, q_len, k_len).add_(bias)
+        weights = torch.softmax(scores, dim=-1)
+        keep = keep_mask(weights.shape, p, weights.device)
+        kept = torch.mul(weights, keep)
+        keep_scale = dropout_scale(p)
+        out = torch.bmm(kept, v).mul_(keep_scale)
+        ctx.save_for_backward(scaled_q, k, v, weights, keep, kept)
+        ctx.sizes, ctx.keep_scale, ctx.fused = (b, heads, q_len, k_len, d), keep_scale, fused
+        return out.view(b, heads, q_len, d).transpose(1, 2).reshape(b, q_len, d_model)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, Tensor | None, None, None, None]:
+        scaled_q, k, v, weights, keep, kept = ctx.saved_tensors
+        b, heads, q_len, k_len, d = ctx.sizes
+        grad = grad.view(b, q_len, heads, d).transpose(1, 2).reshape(b * heads, q_len, d)
+        grad_v = torch.bmm(kept.transpose(1, 2), grad).mul_(ctx.keep_scale)
+        grad_weights = torch.bmm(grad, v.transpose(1, 2)).mul_(keep)  # keep_scale comes below
+        grad_scores = torch._softmax_backward_data(grad_weights, weights, -1, weights.dtype)
+        grad_q = torch.bmm(grad_scores, k).mul_(ctx.keep_scale / math.sqrt(d))
+        grad_k = torch.bmm(grad_scores.transpose(1, 2), scaled_q).mul_(ctx.keep_scale)
+
+        # Into the layout the projections wrote: (batch, len, [q k v], heads, d_head).
+        if ctx.fused:
+            grad_q_in = grad_kv_in = grad_q.new_empty(b, q_len, 3, heads, d)
+            parts = grad_q_in.unbind(2)
+        else:
+            grad_q_in = grad_q.new_empty(b, q_len, 1, heads, d)
+            grad_kv_in = grad_k.new_empty(b, k_len, 2, heads, d)
+            parts = (grad_q_in[:, :, 0], *grad_kv_in.unbind(2))
+        for part, g in zip(parts, (grad_q, grad_k, grad_v), strict=True):
+            part.copy_(g.view(b, heads, -1, d).transpose(1, 2))
+        grad_kv_in = None if ctx.fused else grad_kv_in.flatten(2)
+        return grad_q_in.flatten(2), grad_kv_in, None, None, None
 
 
 def gather_rows(x: Tensor, rows: Tensor) -> Tensor:
@@ -248,6 +327,14 @@ class KVCache:
             buffer.copy_entries(dst_entries, src_entries)
 
 
+def _bias_rows(bias: Tensor | None, rows: Tensor, batch: int) -> Tensor | None:
+    """A bias's rows for the queries at positions rows (batch, q); a bias shared by all queries as it is."""
+    if bias is None or bias.shape[-2] == 1:
+        return bias
+    bias = bias.expand(batch, -1, -1, -1)
+    return bias.gather(2, rows[:, None, :, None].expand(-1, bias.shape[1], -1, bias.shape[-1]))
+
+
 def _select_rows(kv: tuple[Tensor, Tensor] | None, rows: Tensor) -> tuple[Tensor, Tensor] | None:
     return None if kv is None else (kv[0].index_select(0, rows), kv[1].index_select(0, rows))
 
@@ -337,6 +424,18 @@ class MultiHeadAttention(nn.Module):
         and values still come from all of x): the output is then (batch, q, d_model), the rows
         of the full output at those positions.
         """
+        dropout_p = self.dropout if self.training else 0.0
+        if (
+            has_keep_mask(dropout_p)
+            and x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.float64)
+            and not torch.is_autocast_enabled("cpu")
+            and rope is None
+            and past is None
+            and not need_weights
+            and not (causal and query_rows is not None)
+        ):
+            return self._train_with_dropout(x, memory, bias, causal, query_rows)
         group = 1
         if self.cross:
             (q,) = self._heads(self.q_proj(x), 1)
@@ -358,10 +457,7 @@ class MultiHeadAttention(nn.Module):
             if rope is not None:
                 q_rope = (rope[0][query_rows].unsqueeze(1), rope[1][query_rows].unsqueeze(1))
                 q, k = apply_rotary(q, q_rope), apply_rotary(k, rope)
-            if bias is not None and bias.shape[-2] > 1:  # a bias per query row: keep those rows
-                bias = bias.expand(len(x), -1, -1, -1)
-                index = query_rows[:, None, :, None].expand(-1, bias.shape[1], -1, bias.shape[-1])
-                bias = bias.gather(2, index)
+            bias = _bias_rows(bias, query_rows, len(x))
         else:
             q, k, v = self._heads(self.qkv_proj(x), 3)
             if rope is not None:
@@ -373,7 +469,6 @@ class MultiHeadAttention(nn.Module):
                         f"not {type(past).__name__}"
                     )
                 k, v = past.append(k, v)
-        dropout_p = self.dropout if self.training else 0.0
         out, weights = scaled_dot_product_attention(q, k, v, bias, causal, dropout_p, need_weights)
         if group > 1:
             out = _from_groups(out, group)
@@ -381,3 +476,28 @@ class MultiHeadAttention(nn.Module):
         b, _, s, _ = out.shape
         out = out.transpose(1, 2).reshape(b, s, self.d_model)  # concatenate heads
         return self.out_proj(out), weights, (k, v)
+
+    def _train_with_dropout(
+        self,
+        x: Tensor,
+        memory: Tensor | None,
+        bias: Tensor | None,
+        causal: bool,
+        query_rows: Tensor | None,
+    ) -> tuple[Tensor, None, tuple[Tensor, Tensor]]:
+        """forward() while training on CPU with attention dropout: one _DropoutAttention call."""
+        d, w, b = self.d_model, None, None
+        if self.cross:
+            q_in, kv_in = self.q_proj(x), self.kv_proj(memory)
+        elif query_rows is not None:
+            w, b = self.qkv_proj.weight, self.qkv_proj.bias
+            q_in = linear(gather_rows(x, query_rows), w[:d], None if b is None else b[:d])
+            kv_in = linear(x, w[d:], None if b is None else b[d:])
+            bias = _bias_rows(bias, query_rows, len(x))
+        else:
+            q_in, kv_in = self.qkv_proj(x), None  # q, k and v side by side
+        kv = q_in[..., d:] if kv_in is None else kv_in
+        if causal:
+            bias = with_causal_bias(bias, q_in.shape[1], kv.shape[1], x.dtype, x.device)
+        out = _DropoutAttention.apply(q_in, kv_in, self.n_heads, bias, self.dropout)
+        return self.out_proj(out), None, self._heads(kv, 2)
