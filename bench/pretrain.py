@@ -11,6 +11,11 @@ projection and feed-forward at the masked positions and [CLS] only: no loss read
 It also prints the utilisation with the last layer counted at every position. The peak is
 measured before and after the runs; the higher one is the yardstick.
 
+The systems run ``--rounds`` times (default 2), interleaved (HF, HF foreach, attnlab, then
+the reverse order, ...), and each one's fastest round counts: this shared machine's speed
+drifts by several percent over minutes, and one pass in a fixed order can hand the drift to
+one side.
+
 Both systems run under one allocator setting: ``--malloc keep`` (the default, and what
 attnlab's trainer sets: glibc keeps freed memory, so no fresh pages are faulted in for each
 step's large temporaries; attnlab/train/memory.py) or ``--malloc default`` (glibc as it
@@ -19,7 +24,7 @@ the first large blocks are freed, so a system timed after another in the same pr
 run under an allocator the first one had tuned.
 
 Usage: python bench/pretrain.py [--preset bert-small] [--batch-size 32] [--seq-len 128]
-       [--steps 10] [--precision fp32|bf16] [--threads T] [--malloc keep|default]
+       [--steps 10] [--precision fp32|bf16] [--threads T] [--malloc keep|default] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -130,6 +135,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--malloc", choices=("keep", "default"), default="keep", help=MALLOC_HELP)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved runs; best counts")
     parser.add_argument("--only", choices=tuple(SYSTEMS), help=argparse.SUPPRESS)  # a child
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -156,17 +162,25 @@ def main() -> None:
     tokens = args.batch_size * args.seq_len
     print(f"machine: {machine()}; fp32 matmul peak {peak / 1e9:.1f} GFLOP/s", file=sys.stderr)
     result = {}
-    timed = {name: time_in_child(name) for name in SYSTEMS}
+    rounds: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    for r in range(args.rounds):
+        for name in SYSTEMS if r % 2 == 0 else reversed(SYSTEMS):
+            rounds[name].append(time_in_child(name))
+    timed = {name: min(seconds) for name, seconds in rounds.items()}
     # The peak again after the runs: the higher of the two is the yardstick.
     after = matmul_peak_flops()
     print(f"fp32 matmul peak after the runs {after / 1e9:.1f} GFLOP/s", file=sys.stderr)
     peak = max(peak, after)
     for name, seconds in timed.items():
         mfu, dense_mfu = flops / seconds / peak, dense_flops / seconds / peak
-        result[name] = {"tokens_per_s": tokens / seconds, "mfu": mfu, "mfu_dense_last": dense_mfu}
+        each = [round(tokens / s) for s in rounds[name]]
+        result[name] = {
+            "tokens_per_s": tokens / seconds, "mfu": mfu, "mfu_dense_last": dense_mfu,
+            "rounds_tokens_per_s": each,
+        }  # fmt: skip
         print(
             f"{name:10s} {tokens / seconds:9.0f} tokens/s  MFU {mfu:6.1%} "
-            f"(last layer counted at every position: {dense_mfu:6.1%})",
+            f"(last layer counted at every position: {dense_mfu:6.1%}); rounds {each}",
             file=sys.stderr,
         )
     ours = result["attnlab"]["tokens_per_s"]
