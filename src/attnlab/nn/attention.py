@@ -434,6 +434,7 @@ class MultiHeadAttention(nn.Module):
             and past is None
             and not need_weights
             and not (causal and query_rows is not None)
+            and not torch.compiler.is_compiling()  # compile brings its own kernels
         ):
             return self._train_with_dropout(x, memory, bias, causal, query_rows)
         group = 1
