@@ -304,7 +304,10 @@ def test_compiled_pretraining_step_equals_eager_with_dropout() -> None:
     compiled.load_state_dict(eager.state_dict())
     batch = synthetic_batch(config.vocab_size, 4, 32)
     results = []
-    for model, network in ((eager, eager), (compiled, torch.compile(compiled, backend="aot_eager"))):
+    for model, network in (
+        (eager, eager),
+        (compiled, torch.compile(compiled, backend="aot_eager")),
+    ):
         torch.manual_seed(1)
         loss = network(**batch)["loss"]
         loss.backward()
