@@ -16,8 +16,8 @@ checkpoints see the same dense ``.grad`` as before; only where it is stored chan
 
 A kept buffer is zero outside the rows this step's lookups touched (a few hundred of a
 vocabulary's tens of thousands), and the buffer knows which: the next step zeroes only those
-rows, and the clipping (``clip_grad_norm_``, ``clipped_step``) reads and scales only those rows instead of the whole table
-(whose norm and scaling are otherwise a pass each over it, every step).
+rows, and the clipping (``clipped_step``) reads and scales only those rows instead of the
+whole table (whose norm and scaling are otherwise a pass each over it, every step).
 """
 
 from __future__ import annotations
@@ -140,20 +140,6 @@ def _total_norm(pairs: list[tuple[Tensor, Tensor | None]]) -> Tensor:
 
 def _clip_coefficient(total: Tensor, max_norm: float) -> Tensor:
     return (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch's clip_grad_norm_
-
-
-def clip_grad_norm_(
-    parameters: Iterable[Tensor], max_norm: float, kept: KeptEmbeddingGrads | None
-) -> Tensor:
-    """Scale gradients to a total 2-norm of at most max_norm (none if inf); the norm before.
-
-    torch's ``clip_grad_norm_``, except that a kept buffer's norm and scaling read only its rows.
-    """
-    pairs = _grads_and_rows(parameters, kept)
-    total = _total_norm(pairs)
-    if max_norm < math.inf and pairs:
-        _scale_(pairs, _clip_coefficient(total, max_norm))
-    return total
 
 
 def _scale_(pairs: list[tuple[Tensor, Tensor | None]], scale: Tensor) -> None:
