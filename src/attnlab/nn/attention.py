@@ -392,13 +392,17 @@ class MultiHeadAttention(nn.Module):
         x = x.view(b, s, n, self.n_heads, self.d_head).permute(2, 0, 3, 1, 4)
         return x.unbind(0)
 
-    def _row_qkv(self, x: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        # Queries from the given rows only, keys and values from every position: the fused
-        # weight's first d_model outputs are W^Q, the rest W^K and W^V.
+    def _row_projections(self, x: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Queries (batch, q, d_model) from the given rows only, keys and values side by side
+        (batch, seq, 2 d_model) from every position: the fused weight's first d_model outputs
+        are W^Q, the rest W^K and W^V."""
         d, w, b = self.d_model, self.qkv_proj.weight, self.qkv_proj.bias
-        (q,) = self._heads(linear(gather_rows(x, rows), w[:d], None if b is None else b[:d]), 1)
-        k, v = self._heads(linear(x, w[d:], None if b is None else b[d:]), 2)
-        return q, k, v
+        q = linear(gather_rows(x, rows), w[:d], None if b is None else b[:d])
+        return q, linear(x, w[d:], None if b is None else b[d:])
+
+    def _row_qkv(self, x: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, kv = self._row_projections(x, rows)
+        return *self._heads(q, 1), *self._heads(kv, 2)
 
     def forward(
         self,
@@ -487,17 +491,14 @@ class MultiHeadAttention(nn.Module):
         query_rows: Tensor | None,
     ) -> tuple[Tensor, None, tuple[Tensor, Tensor]]:
         """forward() while training on CPU with attention dropout: one _DropoutAttention call."""
-        d, w, b = self.d_model, None, None
         if self.cross:
             q_in, kv_in = self.q_proj(x), self.kv_proj(memory)
         elif query_rows is not None:
-            w, b = self.qkv_proj.weight, self.qkv_proj.bias
-            q_in = linear(gather_rows(x, query_rows), w[:d], None if b is None else b[:d])
-            kv_in = linear(x, w[d:], None if b is None else b[d:])
+            q_in, kv_in = self._row_projections(x, query_rows)
             bias = _bias_rows(bias, query_rows, len(x))
         else:
             q_in, kv_in = self.qkv_proj(x), None  # q, k and v side by side
-        kv = q_in[..., d:] if kv_in is None else kv_in
+        kv = q_in[..., self.d_model :] if kv_in is None else kv_in
         if causal:
             bias = with_causal_bias(bias, q_in.shape[1], kv.shape[1], x.dtype, x.device)
         out = _DropoutAttention.apply(q_in, kv_in, self.n_heads, bias, self.dropout)
