@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.nn.attention import MultiHeadAttention, padding_bias, scaled_dot_product_attention
-from attnlab.nn.dropout import Dropout, add_dropout, drop_mask, dropout
+from attnlab.nn.dropout import Dropout, add_dropout, dropout, keep_mask
 
 N = 1 << 20  # elements: the rate is then known to about 3e-4 (one standard error at p = 0.1)
 
@@ -43,7 +43,7 @@ def test_the_four_values_drawn_together_are_independent() -> None:
     # neighbours are dropped together at rate p^2, not more.
     torch.manual_seed(2)
     p = 0.3
-    drop = drop_mask((N // 4, 4), p, torch.device("cpu")).float()
+    drop = (keep_mask((N // 4, 4), p, torch.device("cpu")) == 0).float()
     sd = math.sqrt(p * (1 - p) / (N // 4))
     for lane in range(4):
         assert abs(drop[:, lane].mean().item() - p) < 5 * sd
@@ -92,7 +92,7 @@ def test_attention_dropout_equals_the_formula_with_the_same_mask() -> None:
     torch.manual_seed(6)
     out, _ = scaled_dot_product_attention(q, k, v, bias, dropout_p=0.25)
     torch.manual_seed(6)
-    drop = drop_mask((2, 3, 7, 7), 0.25, torch.device("cpu"))
+    drop = keep_mask((2, 3, 7, 7), 0.25, torch.device("cpu")) == 0
     weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(8) + bias, dim=-1)
     scale = 65536 / (65536 - round(0.25 * 65536))
     expected = weights.masked_fill(drop, 0.0) * scale @ v

@@ -33,28 +33,18 @@ from torch.autograd.function import FunctionCtx
 _LEVELS = 1 << 16  # values of one 16-bit random integer
 
 
-def _keep(shape: torch.Size | tuple[int, ...], p: float, device: torch.device) -> Tensor:
-    """Boolean mask of shape, True (kept) with probability 1 - round(p * 2**16) / 2**16."""
-    n = math.prod(shape)
-    seed = int(torch.empty((), dtype=torch.int64).random_())  # advances torch's generator
-    words = np.random.PCG64DXSM(seed).random_raw((n + 3) // 4)  # four 16-bit integers each
-    keep = words.view(np.int16)[:n] >= _threshold(p)
-    return torch.from_numpy(keep).view(shape).to(device)
-
-
 def _threshold(p: float) -> int:
     # int16 values below this are the lowest round(p * 2**16) of the 65,536
     return round(p * _LEVELS) - _LEVELS // 2
 
 
-def drop_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.device) -> Tensor:
-    """Boolean mask of ``shape``, True (dropped) with probability round(p * 2**16) / 2**16."""
-    return ~_keep(shape, p, device)
-
-
 def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.device) -> Tensor:
-    """The complement of drop_mask from the same draws, as uint8 (1 = kept) for one-pass products."""
-    return _keep(shape, p, device).view(torch.uint8)
+    """uint8 mask of ``shape``: 1 (kept) with probability 1 - round(p * 2**16) / 2**16, else 0."""
+    n = math.prod(shape)
+    seed = int(torch.empty((), dtype=torch.int64).random_())  # advances torch's generator
+    words = np.random.PCG64DXSM(seed).random_raw((n + 3) // 4)  # four 16-bit integers each
+    keep = words.view(np.int16)[:n] >= _threshold(p)
+    return torch.from_numpy(keep).view(torch.uint8).view(shape).to(device)
 
 
 class _MaskedSum(torch.autograd.Function):
