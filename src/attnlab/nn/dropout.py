@@ -14,10 +14,10 @@ fused kernel there.
 
 The 64-bit draws come from numpy's PCG64DXSM, seeded from PyTorch's default generator (one
 seed per mask): so ``torch.manual_seed`` fixes the masks and a checkpoint's RNG state restores
-them. A (32, 8, 128, 128) attention mask took 3.8 ms this way inside a training step against
-5.9 ms with PyTorch's ``random_`` (Mersenne Twister) and a comparison, 2-core Xeon,
-2026-12-01. (Drawing its halves on two threads did not help there: after each operation
-PyTorch's OpenMP thread keeps the second core busy waiting for a while.)
+them. A (32, 8, 128, 128) attention mask took 3.8 ms this way against 5.9 ms with PyTorch's
+``random_`` (Mersenne Twister) and a comparison, both timed amid the attention core's other
+operations, 2-core Xeon, 2026-12-01. (Drawing its halves on two threads did not help there:
+after each operation PyTorch's OpenMP thread keeps the second core busy waiting for a while.)
 """
 
 from __future__ import annotations

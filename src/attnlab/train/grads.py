@@ -167,9 +167,9 @@ def clipped_step(
 
     PyTorch's fused Adam and AdamW divide each gradient by their ``grad_scale`` (there for
     mixed-precision loss scaling) as they read it: given 1 / the clipping factor they clip
-    in the same pass, and the separate pass that scales every gradient in place (about 13 ms of
-    a 1.3 s bert-small step on a 2-core Xeon) is not needed. Other optimizers get the
-    gradients scaled first.
+    in the same pass, and the separate pass that scales every gradient in place (3.5 ms for
+    bert-small's 29M gradients timed alone, 2-core Xeon) is not needed. Other optimizers get
+    the gradients scaled first.
     """
     pairs = _grads_and_rows(parameters, kept)
     total = _total_norm(pairs)
