@@ -90,12 +90,9 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
         return x
     if x.device.type != "cpu" or p >= 1.0:
         return F.dropout(x, p, training=True)
-    dropped = round(p * _LEVELS)
-    if dropped == 0:
-        return x
-    if dropped == _LEVELS:
-        return x * 0.0
-    return _masked_sum(x.new_zeros(()), x, p)
+    if has_keep_mask(p):
+        return _masked_sum(x.new_zeros(()), x, p)
+    return x if round(p * _LEVELS) == 0 else x * 0.0  # p within 2**-17 of 0 or of 1
 
 
 def add_dropout(x: Tensor, h: Tensor, p: float, training: bool = True) -> Tensor:
