@@ -50,3 +50,23 @@ def test_a_second_backward_is_refused() -> None:
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="twice"):
         loss.backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_label_whose_probability_underflows_keeps_an_exact_finite_loss(dtype) -> None:
+    # softmax(z)[y] is 0 in floating point when z_y sits ~750 (float64) or ~104 (float32)
+    # below the row's largest logit; the loss must still be that gap, not inf or a rounded log.
+    logits = torch.zeros(3, 6, dtype=dtype)
+    logits[0, 2] = 800.0  # label 0: loss ~800
+    logits[1, 4] = 90.0  # label 1: probability ~8e-40, below float32's smallest normal
+    logits[2, 0] = 3.0  # an ordinary row
+    logits.requires_grad_()
+    target = torch.tensor([0, 1, 0])
+    ours = summed_cross_entropy(logits, target)
+    ours.backward()
+    ours_grad, logits.grad = logits.grad, None
+    theirs = F.cross_entropy(logits, target, reduction="sum")
+    theirs.backward()
+    assert torch.isfinite(ours)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6 if dtype == torch.float32 else 1e-12, atol=0)
+    torch.testing.assert_close(ours_grad, logits.grad)

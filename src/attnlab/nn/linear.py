@@ -72,7 +72,7 @@ class _TrainingLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_weight = rows.t() @ x.reshape(-1, x.shape[-1])  # dy^T x
         if ctx.needs_input_grad[2]:  # False when there is no bias
-            grad_bias = rows.sum(0)
+            grad_bias = rows.new_ones(len(rows)) @ rows  # column sums, faster than sum(0) here
         return grad_x, grad_weight, grad_bias
 
 
