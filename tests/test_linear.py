@@ -95,3 +95,85 @@ def test_the_route_decides_which_library_runs(monkeypatch, route):
 def test_onednn_on_amd_only(monkeypatch, vendor, onednn):
     monkeypatch.setattr(linear_module, "cpu_vendor", lambda: vendor)
     assert linear_module.onednn_trains_faster.__wrapped__() is onednn  # uncached
+
+
+# bf16 autocast on a CPU without bf16 matrix instructions: the same bf16 products by the fp32
+# kernel (nn/linear.py). The reference is autocast's own F.linear / matmul, PyTorch's bf16
+# kernel, which computes bf16 products on any CPU (emulated where the instructions are missing).
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def bf16_by_fp32(monkeypatch):
+    """This CPU taken for one without bf16 instructions, so the fp32-kernel route runs."""
+    monkeypatch.setattr(linear_module, "has_bf16_matmul", lambda: False)
+
+
+def autocast_grads(fn, tensors, upstream):
+    """Output and input gradients of fn(*tensors) under bf16 autocast."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+    with torch.autocast("cpu", dtype=BF16):
+        out = fn(*leaves)
+    out.backward(upstream)
+    return [out.detach(), *[t.grad for t in leaves]]
+
+
+def assert_bf16_close(ours, reference):
+    """Equal dtypes; values within one bf16 rounding of each other (sums in another order)."""
+    assert ours.dtype == reference.dtype
+    torch.testing.assert_close(ours.float(), reference.float(), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("shape", [(7, 24), (3, 5, 24)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("x_dtype", [torch.float32, BF16])
+def test_bf16_linear_by_fp32_equals_autocasts(shape, bias, x_dtype, bf16_by_fp32):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(*shape, generator=g).to(x_dtype)
+    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    upstream = torch.randn(*shape[:-1], 40, generator=g).to(BF16)
+    tensors = [x, w, b] if bias else [x, w]
+    calls = []
+    apply = linear_module._Bf16Linear.apply
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(linear_module._Bf16Linear, "apply", lambda *a: calls.append(1) or apply(*a))
+        ours = autocast_grads(lambda *t: linear(*t), tensors, upstream)
+    assert calls == [1]
+    reference = autocast_grads(lambda *t: F.linear(*t), tensors, upstream)
+    assert ours[0].dtype == BF16
+    for a, r in zip(ours, reference, strict=True):
+        assert_bf16_close(a, r)
+
+
+def test_bf16_route_rounds_inputs_to_bf16_as_autocast_does(bf16_by_fp32):
+    # 1 + 2**-10 is 1 in bf16, so the product is exactly 0, not 2**-10 as in fp32
+    x, w = torch.tensor([[1 + 2**-10, -1.0]]), torch.ones(1, 2)
+    with torch.autocast("cpu", dtype=BF16):
+        assert float(linear(x, w)) == 0.0
+        assert float(F.linear(x, w)) == 0.0  # autocast's own bf16 product
+    assert float(linear(x, w)) == 2**-10  # fp32 outside autocast
+
+
+def test_bf16_matmul_by_fp32_equals_autocasts(bf16_by_fp32):
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(2, 3, 6, 16, generator=g), torch.randn(2, 3, 16, 5, generator=g).to(BF16)
+    upstream = torch.randn(2, 3, 6, 5, generator=g).to(BF16)
+    ours = autocast_grads(linear_module.matmul, [a, b], upstream)
+    reference = autocast_grads(torch.matmul, [a, b], upstream)
+    for x, r in zip(ours, reference, strict=True):
+        assert_bf16_close(x, r)
+
+
+def test_bf16_route_only_without_bf16_instructions_and_only_under_autocast(monkeypatch):
+    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    monkeypatch.setattr(linear_module, "has_bf16_matmul", lambda: True)
+    with torch.autocast("cpu", dtype=BF16):
+        assert not linear_module.bf16_by_fp32(x, w)  # the CPU's own bf16 kernel
+    monkeypatch.setattr(linear_module, "has_bf16_matmul", lambda: None)
+    with torch.autocast("cpu", dtype=BF16):
+        assert not linear_module.bf16_by_fp32(x, w)  # unknown CPU: left to PyTorch
+    monkeypatch.setattr(linear_module, "has_bf16_matmul", lambda: False)
+    assert not linear_module.bf16_by_fp32(x, w)  # no autocast: fp32 products
+    with torch.autocast("cpu", dtype=BF16):
+        assert linear_module.bf16_by_fp32(x, w)
+        assert not linear_module.bf16_by_fp32(x.double(), w.double())

@@ -2,8 +2,9 @@
 
 Two choices depend on it: which library computes the training products (nn/linear.py: oneDNN
 on AMD, MKL elsewhere, each the faster one where measured), and whether bf16 autocast can be
-fast (train/trainer.py warns when the CPU has no bf16 matrix instructions: bf16 is then
-emulated, and a bert-small pretraining step ran about 4x slower than in fp32; bench/RESULTS.md).
+fast: without bf16 matrix instructions PyTorch emulates its bf16 products (a bert-small
+pretraining step ran about 4x slower than in fp32), so attnlab computes them with the fp32
+kernel instead (nn/linear.py) and the trainer notes that bf16 is no faster than fp32 there.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from torch.autograd.function import FunctionCtx
 
 from attnlab.errors import AttnlabError
 from attnlab.nn.dropout import dropout, dropout_scale, has_keep_mask, keep_mask
-from attnlab.nn.linear import Linear, linear
+from attnlab.nn.linear import Linear, linear, matmul
 
 
 def causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> Tensor:
@@ -89,12 +89,12 @@ def scaled_dot_product_attention(
         return out, None
     # Scale q (seq x d_head) rather than the scores (seq x seq); add the bias in place, which
     # autograd allows because a matmul does not keep its output for the backward pass.
-    scores = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-2, -1))
+    scores = matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-2, -1))
     if bias is not None:
         scores.add_(bias)
     weights = torch.softmax(scores, dim=-1)
     probs = dropout(weights, dropout_p)
-    return torch.matmul(probs, v), weights if need_weights else None
+    return matmul(probs, v), weights if need_weights else None
 
 
 class _DropoutAttention(torch.autograd.Function):

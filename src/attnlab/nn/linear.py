@@ -11,10 +11,18 @@ with respect to the input go through oneDNN on AMD and MKL elsewhere; the weight
 vendor, not a timing, so every run on a machine computes the same floats (resume is
 bit-exact).
 
+bf16 autocast on a CPU without bf16 matrix instructions (no avx512_bf16 or AMX; attnlab/cpu.py)
+gets the same bf16 products from the fp32 kernel: inputs rounded to bf16, products summed in
+fp32, the result rounded to bf16, as a bf16 kernel computes them. PyTorch's bf16 product
+emulates those instructions there and ran about 5x slower than fp32's (bert-small's
+feed-forward product, 4,096 x 512 x 2,048: 138 against 27 ms, rounding included; 2-core Xeon,
+2026-12-01). ``linear`` and ``matmul`` take that route (``_Bf16Linear``, ``_Bf16MatMul``), and
+keep bf16 copies for the backward pass, as autocast does.
+
 Anything else runs plain ``F.linear``: inference (packed_linears serves that), weights or
-inputs that are not CPU fp32, bf16 autocast, and code traced by ``torch.compile`` (which
-brings its own kernels). Results and gradients equal ``F.linear``'s to float rounding
-(tests/test_linear.py).
+inputs that are not CPU fp32, bf16 autocast on CPUs with bf16 instructions, and code traced by
+``torch.compile`` (which brings its own kernels). Results and gradients equal ``F.linear``'s
+(under autocast, autocast's) to float rounding (tests/test_linear.py).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from attnlab.cpu import cpu_vendor
+from attnlab.cpu import cpu_vendor, has_bf16_matmul
 from attnlab.nn.packed import can_pack
 
 
@@ -76,8 +84,103 @@ class _TrainingLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+BF16 = torch.bfloat16
+
+
+def bf16_by_fp32(*tensors: Tensor) -> bool:
+    """Whether products of these tensors take bf16 autocast's numbers from the fp32 kernel here.
+
+    True under CPU autocast to bf16 on a CPU known to lack bf16 matrix instructions, for CPU
+    fp32 or bf16 tensors, outside ``torch.compile``.
+    """
+    return (
+        torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == BF16
+        and all(t.device.type == "cpu" and t.dtype in (torch.float32, BF16) for t in tensors)
+        and has_bf16_matmul() is False
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _up(x: Tensor) -> Tensor:
+    """x rounded to bf16, as fp32 (exactly the bf16 values)."""
+    return x.to(BF16).float()
+
+
+def _down(grad: Tensor, like: torch.dtype) -> Tensor:
+    """A gradient computed in fp32, rounded to bf16 (a bf16 kernel's output), in dtype ``like``."""
+    return grad.to(BF16).to(like)
+
+
+class _Bf16Linear(torch.autograd.Function):
+    """F.linear under bf16 autocast, computed by the fp32 kernel (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """x (..., in) -> (..., out) in bf16."""
+        with torch.autocast("cpu", enabled=False):
+            xb, wb = x.to(BF16), weight.to(BF16)
+            ctx.save_for_backward(xb, wb)
+            ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+            return F.linear(xb.float(), wb.float(), None if bias is None else _up(bias)).to(BF16)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        """Gradients of x, weight and bias, each the bf16 product's, in its input's dtype."""
+        xb, wb = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        with torch.autocast("cpu", enabled=False):
+            g = grad.float()
+            rows = g.reshape(-1, g.shape[-1])
+            grad_x = grad_weight = grad_bias = None
+            if ctx.needs_input_grad[0]:
+                grad_x = _down(g @ wb.float(), x_dtype)
+            if ctx.needs_input_grad[1]:
+                grad_weight = _down(rows.t() @ xb.reshape(-1, xb.shape[-1]).float(), w_dtype)
+            if ctx.needs_input_grad[2]:
+                grad_bias = _down(rows.new_ones(len(rows)) @ rows, b_dtype)
+        return grad_x, grad_weight, grad_bias
+
+
+class _Bf16MatMul(torch.autograd.Function):
+    """a @ b under bf16 autocast (same batch dimensions), computed by the fp32 kernel."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
+        """(..., m, k) @ (..., k, n) -> (..., m, n) in bf16."""
+        with torch.autocast("cpu", enabled=False):
+            ab, bb = a.to(BF16), b.to(BF16)
+            ctx.save_for_backward(ab, bb)
+            ctx.dtypes = (a.dtype, b.dtype)
+            return torch.matmul(ab.float(), bb.float()).to(BF16)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """Gradients of a and b, each the bf16 product's, in its input's dtype."""
+        ab, bb = ctx.saved_tensors
+        with torch.autocast("cpu", enabled=False):
+            g = grad.float()
+            grad_a = grad_b = None
+            if ctx.needs_input_grad[0]:
+                grad_a = _down(g @ bb.float().transpose(-2, -1), ctx.dtypes[0])
+            if ctx.needs_input_grad[1]:
+                grad_b = _down(ab.float().transpose(-2, -1) @ g, ctx.dtypes[1])
+        return grad_a, grad_b
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """torch.matmul(a, b); under bf16 autocast without bf16 instructions, by _Bf16MatMul."""
+    if a.dim() >= 2 and a.shape[:-2] == b.shape[:-2] and bf16_by_fp32(a, b):
+        return _Bf16MatMul.apply(a, b)
+    return torch.matmul(a, b)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """y = x W^T + b; for CPU fp32 tensors that need gradients, through _TrainingLinear."""
+    if bf16_by_fp32(x, weight, *([] if bias is None else [bias])):
+        return _Bf16Linear.apply(x, weight, bias)
     if (
         torch.is_grad_enabled()
         and (weight.requires_grad or x.requires_grad)

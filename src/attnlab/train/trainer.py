@@ -148,10 +148,11 @@ class Trainer:
         self.is_main = self.rank == 0
         self.device = _resolve_device(config.device, local_rank)
         cpu_bf16 = config.precision == "bf16" and self.device.type == "cpu"
-        if cpu_bf16 and self.is_main and has_bf16_matmul() is False:  # emulated (attnlab/cpu.py)
+        if cpu_bf16 and self.is_main and has_bf16_matmul() is False:  # nn/linear.py: bf16_by_fp32
             print(
-                "warning: this CPU has no bf16 matrix instructions (avx512_bf16, amx_bf16): "
-                "--precision bf16 runs slower than fp32 here",
+                "note: this CPU has no bf16 matrix instructions (avx512_bf16, amx_bf16): "
+                "--precision bf16 computes its bf16 products with the fp32 kernel here, "
+                "so it is no faster than fp32",
                 file=sys.stderr,
             )
         self.model = model.to(self.device)
