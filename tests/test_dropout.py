@@ -81,18 +81,6 @@ def test_same_seed_same_mask() -> None:
     assert torch.equal(a, b)
 
 
-def test_float32_mask_holds_the_same_draws_as_the_uint8_one() -> None:
-    torch.manual_seed(5)
-    small = keep_mask((64, 33), 0.3, torch.device("cpu"))
-    torch.manual_seed(5)
-    wide = keep_mask((64, 33), 0.3, torch.device("cpu"), torch.float32)
-    assert small.dtype == torch.uint8 and wide.dtype == torch.float32
-    assert torch.equal(wide, small.float())
-    assert 0.2 < 1 - float(wide.mean()) < 0.4
-    with pytest.raises(ValueError, match="uint8 or float32"):
-        keep_mask((4,), 0.3, torch.device("cpu"), torch.float16)
-
-
 def test_attention_dropout_equals_the_formula_with_the_same_mask() -> None:
     # Training-mode attention on CPU: softmax(q k^T / sqrt(d) + bias), the mask's entries
     # zeroed, the rest scaled, times v. The mask is redrawn from the same seed.

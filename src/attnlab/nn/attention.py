@@ -106,7 +106,7 @@ class _DropoutAttention(torch.autograd.Function):
     then keeps no per-head views, whose backward pass stacks and copies the gradients of q, k
     and v twice over. The scale sqrt(d) is applied while q is copied to one block per head, the
     dropout scale to the (q_len, d_head) products instead of the (q_len, k_len) weights, and
-    the dropped weights are the softmax times a 0/1 keep mask (nn/dropout.py's, so the same
+    the dropped weights are the softmax times a 1-byte keep mask (nn/dropout.py's, so the same
     seed drops the same weights as the explicit path).
     """
 
@@ -136,10 +136,7 @@ class _DropoutAttention(torch.autograd.Function):
         if bias is not None:
             scores.view(b, heads, q_len, k_len).add_(bias)
         weights = torch.softmax(scores, dim=-1)
-        as_float = weights.dtype == torch.float32  # multiplied without converting the mask
-        keep = keep_mask(
-            weights.shape, p, weights.device, torch.float32 if as_float else torch.uint8
-        )
+        keep = keep_mask(weights.shape, p, weights.device)
         kept = torch.mul(weights, keep)
         keep_scale = dropout_scale(p)
         out = torch.bmm(kept, v).mul_(keep_scale)
