@@ -63,6 +63,25 @@ def test_packed_linear_falls_back_where_gradients_are_needed() -> None:
     torch.testing.assert_close(linear.bias.grad, torch.full((4,), 3.0))
 
 
+def test_packed_linear_under_bf16_autocast_takes_linears_bf16_route(monkeypatch) -> None:
+    # Packed weights are fp32-only; under bf16 autocast a packed layer runs attnlab's linear(),
+    # which on a CPU without bf16 instructions computes the bf16 products by the fp32 kernel
+    # (nn/linear.py), not PyTorch's emulated bf16 kernel.
+    import attnlab.nn.linear as linear_module
+
+    monkeypatch.setattr(linear_module, "has_bf16_matmul", lambda: False)
+    calls = []
+    apply = linear_module._Bf16Linear.apply
+    monkeypatch.setattr(linear_module._Bf16Linear, "apply", lambda *a: calls.append(1) or apply(*a))
+    layer = nn.Linear(6, 4)
+    x = torch.randn(3, 6)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = PackedLinear(layer.weight, layer.bias)(x)
+        want = F.linear(x, layer.weight, layer.bias)  # autocast's own bf16 product
+    assert calls == [1] and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), want.float(), rtol=2**-7, atol=1e-3)
+
+
 def test_packed_linears_patches_every_linear_and_restores_them() -> None:
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
     x = torch.randn(4, 6)

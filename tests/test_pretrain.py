@@ -351,3 +351,38 @@ def test_bf16_pretraining_by_the_fp32_kernel_equals_autocasts_own(monkeypatch) -
     for name, grad in grads_native.items():
         error = (grads_ours[name] - grad).norm() / grad.norm()
         assert error < 1e-3, (name, float(error))
+
+
+def test_held_out_scores_are_the_same_on_packed_weights(corpus, vocab, tmp_path, monkeypatch):
+    # The periodic evaluation runs the model on weights packed once per evaluation
+    # (nn/packed.py); its metrics must be those of the plain layers, to float rounding.
+    import contextlib
+
+    import attnlab.tasks.pretrain as pretrain_module
+    from attnlab.config import BertConfig
+    from attnlab.models.bert import BertForPreTraining
+    from attnlab.text.tokenizer import BertTokenizer
+
+    tokenizer = BertTokenizer.from_dir(vocab)
+    opts = pretrain_module.PretrainOptions(
+        out=tmp_path / "run", corpus=[corpus], preset="bert-tiny", batch_size=8, seq_len=32,
+        eval_documents=40, eval_examples=48, cache_dir=tmp_path / "cache", progress=False,
+    )  # fmt: skip
+    evaluate = pretrain_module.prepare_data(opts, [corpus], tokenizer).evaluate
+    torch.manual_seed(0)
+    config = BertConfig.preset("bert-tiny", vocab_size=tokenizer.vocab_size, max_positions=32)
+    model = BertForPreTraining(config).eval()
+    entered = []
+    packing = pretrain_module.packed_linears
+    monkeypatch.setattr(
+        pretrain_module, "packed_linears", lambda m: entered.append(1) or packing(m)
+    )
+    with torch.no_grad():
+        packed = evaluate(model)
+    monkeypatch.setattr(pretrain_module, "packed_linears", lambda m: contextlib.nullcontext())
+    with torch.no_grad():
+        plain = evaluate(model)
+    assert entered == [1]
+    assert packed.keys() == plain.keys() >= {"eval_mlm_loss", "eval_mlm_accuracy"}
+    for name, value in plain.items():
+        assert packed[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name

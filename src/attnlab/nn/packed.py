@@ -9,8 +9,9 @@ skips that work: the small, many-call products of a decoding step (a few hundred
 ("freezing") and Intel's extension do for inference. The packed results equal
 ``F.linear``'s to float rounding (tests/test_packed.py).
 
-Only fp32 weights on a CPU with oneDNN are packed, and only while gradients are off;
-anything else runs the plain ``F.linear``.
+Only fp32 weights on a CPU with oneDNN are packed, and only while gradients are off and
+autocast is not on; anything else runs nn/linear.py's ``linear`` (``F.linear``, or under bf16
+autocast on a CPU without bf16 instructions its bf16 products by the fp32 kernel).
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ class PackedLinear:
             and not torch.is_grad_enabled()
             and not torch.is_autocast_enabled("cpu")
         )
-        if not usable:
-            y = F.linear(x, self.weight, self.bias)
+        if not usable:  # e.g. bf16 autocast: linear() picks its route (nn/linear.py)
+            from attnlab.nn.linear import linear  # here: nn/linear.py imports this module
+
+            y = linear(x, self.weight, self.bias)
             return F.relu(y) if relu else y
         post = "relu" if relu else "none"
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, post, [], "")

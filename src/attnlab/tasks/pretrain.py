@@ -27,6 +27,7 @@ from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.interop.hf import load_bert, save_bert
 from attnlab.models.bert import BertForPreTraining
+from attnlab.nn.packed import packed_linears
 from attnlab.text.masking import MaskingCollator, static_generator
 from attnlab.text.pretraining import OBJECTIVES, Example, ExampleBuilder, TokenizedCorpus
 from attnlab.text.tokenizer import BertTokenizer, train_wordpiece
@@ -179,21 +180,22 @@ def evaluation(
             "nsp_count": 0,
         }
         device = next(model.parameters()).device
-        for batch in batches:
-            batch = {k: v.to(device) for k, v in batch.items()}
-            out = model(**batch)
-            labels = batch["mlm_labels"][batch["mlm_labels"] != -100]
-            if labels.numel():
-                logits = out["mlm_logits"].float()
-                totals["mlm_loss"] += float(
-                    torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
-                )
-                totals["mlm_correct"] += int((logits.argmax(-1) == labels).sum())
-                totals["mlm_count"] += labels.numel()
-            if "nsp_labels" in batch and "nsp_logits" in out:
-                predicted = out["nsp_logits"].argmax(-1)
-                totals["nsp_correct"] += int((predicted == batch["nsp_labels"]).sum())
-                totals["nsp_count"] += batch["nsp_labels"].numel()
+        with packed_linears(model):  # weights packed once for every batch
+            for batch in batches:
+                batch = {k: v.to(device) for k, v in batch.items()}
+                out = model(**batch)
+                labels = batch["mlm_labels"][batch["mlm_labels"] != -100]
+                if labels.numel():
+                    logits = out["mlm_logits"].float()
+                    totals["mlm_loss"] += float(
+                        torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+                    )
+                    totals["mlm_correct"] += int((logits.argmax(-1) == labels).sum())
+                    totals["mlm_count"] += labels.numel()
+                if "nsp_labels" in batch and "nsp_logits" in out:
+                    predicted = out["nsp_logits"].argmax(-1)
+                    totals["nsp_correct"] += int((predicted == batch["nsp_labels"]).sum())
+                    totals["nsp_count"] += batch["nsp_labels"].numel()
         metrics = {}
         if totals["mlm_count"]:
             metrics["eval_mlm_loss"] = totals["mlm_loss"] / totals["mlm_count"]
