@@ -73,15 +73,22 @@ class _TrainingLinear(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         """Gradients of x, weight and bias from the output's gradient."""
         x, weight = ctx.saved_tensors
-        rows = grad.reshape(-1, grad.shape[-1])  # (tokens, out)
-        grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _product(grad.contiguous(), weight.t(), None)  # dy W
-        if ctx.needs_input_grad[1]:
-            grad_weight = rows.t() @ x.reshape(-1, x.shape[-1])  # dy^T x
-        if ctx.needs_input_grad[2]:  # False when there is no bias
-            grad_bias = rows.new_ones(len(rows)) @ rows  # column sums, faster than sum(0) here
-        return grad_x, grad_weight, grad_bias
+        return _linear_grads(grad, x, weight, ctx.needs_input_grad)
+
+
+def _linear_grads(
+    grad: Tensor, x: Tensor, weight: Tensor, needs: tuple[bool, ...]
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The gradients of x, weight and bias of x W^T + b that ``needs`` asks for (fp32 tensors)."""
+    rows = grad.reshape(-1, grad.shape[-1])  # (tokens, out)
+    grad_x = grad_weight = grad_bias = None
+    if needs[0]:
+        grad_x = _product(grad.contiguous(), weight.t(), None)  # dy W
+    if needs[1]:
+        grad_weight = rows.t() @ x.reshape(-1, x.shape[-1])  # dy^T x
+    if needs[2]:  # False when there is no bias
+        grad_bias = rows.new_ones(len(rows)) @ rows  # column sums, faster than sum(0) here
+    return grad_x, grad_weight, grad_bias
 
 
 BF16 = torch.bfloat16
@@ -129,18 +136,15 @@ class _Bf16Linear(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         """Gradients of x, weight and bias, each the bf16 product's, in its input's dtype."""
         xb, wb = ctx.saved_tensors
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        needs = ctx.needs_input_grad
         with torch.autocast("cpu", enabled=False):
-            g = grad.float()
-            rows = g.reshape(-1, g.shape[-1])
-            grad_x = grad_weight = grad_bias = None
-            if ctx.needs_input_grad[0]:
-                grad_x = _down(g @ wb.float(), x_dtype)
-            if ctx.needs_input_grad[1]:
-                grad_weight = _down(rows.t() @ xb.reshape(-1, xb.shape[-1]).float(), w_dtype)
-            if ctx.needs_input_grad[2]:
-                grad_bias = _down(rows.new_ones(len(rows)) @ rows, b_dtype)
-        return grad_x, grad_weight, grad_bias
+            x = xb.float() if needs[1] else xb  # read only for the weight's gradient
+            weight = wb.float() if needs[0] else wb  # read only for the input's gradient
+            grads = _linear_grads(grad.float(), x, weight, needs)
+        return tuple(
+            None if g is None else _down(g, dtype)
+            for g, dtype in zip(grads, ctx.dtypes, strict=True)
+        )
 
 
 class _Bf16MatMul(torch.autograd.Function):
