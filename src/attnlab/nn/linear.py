@@ -16,7 +16,7 @@ gets the same bf16 products from the fp32 kernel: inputs rounded to bf16, produc
 fp32, the result rounded to bf16, as a bf16 kernel computes them. PyTorch's bf16 product
 emulates those instructions there and ran about 5x slower than fp32's (bert-small's
 feed-forward product, 4,096 x 512 x 2,048: 138 against 27 ms, rounding included; 2-core Xeon,
-2026-12-01). ``linear`` and ``matmul`` take that route (``_Bf16Linear``, ``_Bf16MatMul``), in
+2026-12-01; forward and backward of such layers: bench/bf16_products.py). ``linear`` and ``matmul`` take that route (``_Bf16Linear``, ``_Bf16MatMul``), in
 training and inference alike, and keep bf16 copies for the backward pass, as autocast does.
 
 Anything else runs plain ``F.linear``: fp32 inference (packed_linears serves that), weights or
