@@ -1,0 +1,116 @@
+"""Three memory-bound parts of a bert-small training step, attnlab's way against the plain one.
+
+- MLM loss forward and backward on (598, 30,522) logits: ``nn/loss.py: summed_cross_entropy``
+  against ``F.cross_entropy(reduction="sum")``;
+- a bias gradient, the column sums of a (4,096, 2,048) output gradient: ``ones @ rows``
+  (nn/linear.py) against ``rows.sum(0)``;
+- the clipping norm of bert-small's gradients: squared norms by BLAS dot
+  (``train/grads.py: _total_norm``) against ``linalg.vector_norm`` of each, as
+  ``torch.nn.utils.clip_grad_norm_`` computes it.
+
+Each timed alone, median of ``--repeats``; the two results of each pair are compared too.
+
+Usage: python bench/step_parts.py [--threads T] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import machine
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median milliseconds of fn() after two warm-up calls."""
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    """Print one line per part and a JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from attnlab.config import BertConfig
+    from attnlab.models.bert import BertForPreTraining
+    from attnlab.nn.loss import summed_cross_entropy
+    from attnlab.train.grads import _total_norm
+    from attnlab.train.memory import keep_freed_memory
+
+    keep_freed_memory()
+    torch.manual_seed(0)
+    print(f"machine: {machine()}", file=sys.stderr)
+    results = {}
+
+    logits, target = torch.randn(598, 30522) * 3, torch.randint(0, 30522, (598,))
+
+    def loss_step(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        z = logits.clone().requires_grad_()  # as a fresh decoder output
+        loss = fn(z, target)
+        loss.backward()
+        return loss.detach()
+
+    def plain(z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(z, t, reduction="sum")
+
+    ours, theirs = loss_step(summed_cross_entropy), loss_step(plain)
+    results["mlm_loss"] = {
+        "attnlab_ms": median_ms(lambda: loss_step(summed_cross_entropy), args.repeats),
+        "plain_ms": median_ms(lambda: loss_step(plain), args.repeats),
+        "relative_difference": float((ours - theirs).abs() / theirs.abs()),
+    }
+
+    rows = torch.randn(4096, 2048)
+    ones = rows.new_ones(len(rows))
+    results["bias_gradient"] = {
+        "attnlab_ms": median_ms(lambda: ones @ rows, args.repeats),
+        "plain_ms": median_ms(lambda: rows.sum(0), args.repeats),
+        "relative_difference": float(((ones @ rows) - rows.sum(0)).norm() / rows.sum(0).norm()),
+    }
+
+    grads = [
+        torch.randn_like(p)
+        for p in BertForPreTraining(BertConfig.preset("bert-small")).parameters()
+    ]
+    pairs = [(g, None) for g in grads]
+
+    def plain_norm() -> torch.Tensor:
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+    exact = float(torch.stack([g.double().pow(2).sum() for g in grads]).sum().sqrt())
+    results["clipping_norm"] = {
+        "attnlab_ms": median_ms(lambda: _total_norm(pairs), args.repeats),
+        "plain_ms": median_ms(plain_norm, args.repeats),
+        "attnlab_error_vs_float64": abs(float(_total_norm(pairs)) - exact) / exact,
+        "plain_error_vs_float64": abs(float(plain_norm()) - exact) / exact,
+    }
+    for name, r in results.items():
+        extra = {k: f"{v:.1e}" for k, v in r.items() if not k.endswith("_ms")}
+        print(
+            f"{name:14s} attnlab {r['attnlab_ms']:6.2f} ms, plain {r['plain_ms']:6.2f} ms; {extra}",
+            file=sys.stderr,
+        )
+    print(json.dumps({"bench": "step_parts", "threads": args.threads, **results}))
+
+
+if __name__ == "__main__":
+    main()
