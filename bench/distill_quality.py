@@ -11,10 +11,11 @@ bench/pretrain_quality.py builds it):
 
 2 and 3 run side by side, one thread each, so they share the machine's conditions. Every run
 holds out the corpus's last 200 documents (the pretraining CLI's held-out set; same vocabulary,
-examples and masks), and the table reports held-out MLM accuracy and the student's fill-mask
-agreement with the teacher (masked positions where both rank the same token first) before and
-after. It ends with the encoder's forward-pass speed (last hidden states, as fine-tuning and
-embedding use it; 64 x 128 tokens, 2 threads) of the teacher and the students.
+examples and masks), and the table reports held-out MLM accuracy, the student's fill-mask
+agreement with the teacher (masked positions where both rank the same token first) and the mean
+KL(teacher || student) at those positions, before and after. It ends with the encoder's
+forward-pass speed (last hidden states, as fine-tuning and embedding use it; 64 x 128 tokens,
+2 threads) of the teacher and the students.
 
 Usage: python bench/distill_quality.py --out DIR [--teacher-steps 2500] [--steps 1000]
 An existing run directory under DIR is reused, not retrained.
@@ -118,21 +119,24 @@ def main() -> None:
         rows[name] = {
             "eval": last_eval(args.out / name),
             "agreement_before": summary["agreement_before"],
+            "kl_before": summary["teacher_kl_before"],
             "parameters": summary["student_parameters"],
             "speed": forward_speed(args.out / name),
         }
     rows["teacher"]["parameters"] = summary["teacher_parameters"]
     print(json.dumps({"machine": machine(), **rows}, default=str))
     print("| model | parameters | held-out MLM accuracy | agreement with teacher (start -> end) "
-          "| encoder sequences/s |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: |")
+          "| KL(teacher || student), nats (start -> end) | encoder sequences/s |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, row in rows.items():
-        agree = "—"
+        agree = kl = "—"
         if name != "teacher":
+            end = row["eval"]
             agree = (f"{100 * row['agreement_before']:.1f}% -> "
-                     f"{100 * row['eval']['eval_fill_mask_agreement']:.1f}%")  # fmt: skip
-        print(f"| {name} | {row['parameters']:,} | {100 * row['eval']['eval_mlm_accuracy']:.1f}% "
-              f"| {agree} | {row['speed']:.1f} |")  # fmt: skip
+                     f"{100 * end['eval_fill_mask_agreement']:.1f}%")  # fmt: skip
+            kl = f"{row['kl_before']:.3f} -> {end['eval_teacher_kl']:.3f}"
+        print(f"| {name} | {row['parameters']:,} | {100 * row['eval']['eval_mlm_accuracy']:.2f}% "
+              f"| {agree} | {kl} | {row['speed']:.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

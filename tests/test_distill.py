@@ -20,6 +20,7 @@ from attnlab.models.bert import BertForPreTraining
 from attnlab.tasks.distill import (
     DistillationModel,
     cosine_loss,
+    distillation_evaluation,
     soft_target_loss,
     student_from_teacher,
 )
@@ -197,6 +198,34 @@ def test_only_the_student_is_trained():
     assert teacher.mlm.dense.weight.dtype == torch.float64
 
 
+def test_held_out_agreement_and_kl_with_the_teacher():
+    teacher = _teacher(init=0.3)
+    batch = _batch(teacher.config.vocab_size)
+
+    def evaluate(model):  # pretraining's evaluation, reduced to one fixed batch
+        with torch.no_grad():
+            model(**batch)
+        return {"eval_mlm_accuracy": 0.0}
+
+    twin = DistillationModel(teacher, copy.deepcopy(teacher)).eval()
+    same = distillation_evaluation(evaluate)(twin)
+    assert same["eval_fill_mask_agreement"] == 1.0
+    assert same["eval_teacher_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert same["eval_mlm_accuracy"] == 0.0  # pretraining's scores are kept
+
+    model = DistillationModel(teacher, student_from_teacher(teacher, n_layers=2)).eval()
+    metrics = distillation_evaluation(evaluate)(model)
+    with torch.no_grad():
+        out = model(**batch)
+    p = torch.softmax(out["teacher_mlm_logits"].double(), -1)
+    q = torch.softmax(out["mlm_logits"].double(), -1)
+    kl = (p * (p.log() - q.log())).sum(-1)  # one per masked position
+    assert metrics["eval_teacher_kl"] == pytest.approx(float(kl.mean()), rel=1e-4)
+    assert metrics["eval_teacher_kl"] > 0.01
+    agree = out["mlm_logits"].argmax(-1) == out["teacher_mlm_logits"].argmax(-1)
+    assert metrics["eval_fill_mask_agreement"] == pytest.approx(float(agree.double().mean()))
+
+
 def test_cosine_needs_equal_widths():
     teacher = _teacher()
     student = student_from_teacher(teacher, preset="bert-tiny")
@@ -230,6 +259,8 @@ def test_distill_learns_and_writes_an_hf_checkpoint(teacher_dir, cache, tmp_path
     agreement = evals[-1]["eval_fill_mask_agreement"]
     assert summary["agreement"] == agreement
     assert agreement > summary["agreement_before"] + 0.1  # the fresh student agrees ~0%
+    assert summary["teacher_kl"] == evals[-1]["eval_teacher_kl"]
+    assert summary["teacher_kl"] < summary["teacher_kl_before"]  # closer to the teacher
     assert {"eval_mlm_accuracy", "eval_mlm_loss"} <= set(evals[-1])
     # the checkpoints hold the student alone; the teacher's directory is untouched
     assert all(

@@ -225,30 +225,41 @@ class DistillationModel(nn.Module):
 
 
 class _AgreementProbe(nn.Module):
-    """Runs the distillation model and counts where the student's top-1 matches the teacher's."""
+    """Runs the distillation model and compares the student's predictions with the teacher's.
+
+    Counts where the two rank the same token first, and sums KL(teacher || student) of their
+    full distributions (temperature 1), which still tells students apart where both pick the
+    commonest tokens.
+    """
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
         self.agree = self.teacher_correct = self.count = 0
+        self.kl = 0.0
 
     def forward(self, **batch: Tensor) -> dict[str, Tensor]:
         """The model's output, unchanged; the counts grow."""
         out = self.model(**batch)
-        student, teacher = out["mlm_logits"].argmax(-1), out["teacher_mlm_logits"].argmax(-1)
+        student_logits, teacher_logits = out["mlm_logits"], out["teacher_mlm_logits"]
+        student, teacher = student_logits.argmax(-1), teacher_logits.argmax(-1)
         labels = batch["mlm_labels"][batch["mlm_labels"] != -100]
         self.agree += int((student == teacher).sum())
         self.teacher_correct += int((teacher == labels).sum())
         self.count += labels.numel()
+        log_t = F.log_softmax(teacher_logits.float(), dim=-1)
+        log_s = F.log_softmax(student_logits.float(), dim=-1)
+        self.kl += float((log_t.exp() * (log_t - log_s)).sum())
         return out
 
 
 def distillation_evaluation(evaluate: Evaluate) -> Evaluate:
-    """Pretraining's held-out scores of the student plus eval_fill_mask_agreement with the teacher.
+    """Pretraining's held-out scores of the student plus its fill-mask agreement with the teacher.
 
     ``evaluate`` is pretraining's (``attnlab.tasks.pretrain.evaluation``): its fixed examples
     and masks give eval_mlm_loss / eval_mlm_accuracy from the student's logits; the probe
-    adds the fraction of masked positions where student and teacher pick the same token,
+    adds eval_fill_mask_agreement (the fraction of masked positions where student and teacher
+    pick the same token), eval_teacher_kl (the mean KL(teacher || student) there, in nats),
     and the teacher's own accuracy for reference.
     """
 
@@ -257,6 +268,7 @@ def distillation_evaluation(evaluate: Evaluate) -> Evaluate:
         metrics = evaluate(probe)
         if probe.count:
             metrics["eval_fill_mask_agreement"] = probe.agree / probe.count
+            metrics["eval_teacher_kl"] = probe.kl / probe.count
             metrics["eval_teacher_mlm_accuracy"] = probe.teacher_correct / probe.count
         return metrics
 
@@ -380,15 +392,17 @@ def distill(opts: DistillOptions) -> dict[str, Any]:
         job = prepare_data(data_opts, files, tokenizer)
     evaluate = distillation_evaluation(job.evaluate) if job.evaluate is not None else None
     trainer = Trainer(model, job.batches, config, evaluate)  # moves model (and teacher)
-    before = None
+    before: dict[str, float] = {}
     if evaluate is not None and rank == 0 and not opts.resume:
-        before = _evaluate_now(model, evaluate).get("eval_fill_mask_agreement")
+        before = _evaluate_now(model, evaluate)
     summary = trainer.fit()
     finish(student, tokenizer, opts.out, rank)
     return {
         **summary,
-        "agreement_before": before,
+        "agreement_before": before.get("eval_fill_mask_agreement"),
         "agreement": summary["eval"].get("eval_fill_mask_agreement"),
+        "teacher_kl_before": before.get("eval_teacher_kl"),
+        "teacher_kl": summary["eval"].get("eval_teacher_kl"),
         "teacher_parameters": count_parameters(teacher),
         "student_parameters": count_parameters(student),
         "student_layers": student.config.n_layers,
