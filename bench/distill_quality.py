@@ -28,13 +28,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine
+from common import best_time, machine
 from pretrain_quality import build_corpus
 
 ATTNLAB = [sys.executable, "-m", "attnlab"]
@@ -62,18 +61,15 @@ def wait(process: subprocess.Popen, what: str) -> None:
 
 
 def forward_speed(model_dir: Path, batch: int = 64, seq: int = 128) -> float:
-    """Sequences per second of the encoder's forward pass (last hidden states), 2 threads."""
+    """Sequences per second of the encoder's forward pass (last hidden states): best of 5, 2 threads."""
     from attnlab.interop.hf import load_bert
 
     torch.set_num_threads(2)
     model = load_bert(model_dir)
     ids = torch.randint(1000, model.config.vocab_size, (batch, seq))
     with torch.inference_mode():
-        model(input_ids=ids)
-        start = time.perf_counter()
-        for _ in range(3):
-            model(input_ids=ids)
-    return 3 * batch / (time.perf_counter() - start)
+        seconds, _ = best_time(lambda: model(input_ids=ids), repeats=5)
+    return batch / seconds
 
 
 def main() -> None:
@@ -126,7 +122,7 @@ def main() -> None:
     rows["teacher"]["parameters"] = summary["teacher_parameters"]
     print(json.dumps({"machine": machine(), **rows}, default=str))
     print("| model | parameters | held-out MLM accuracy | agreement with teacher (start -> end) "
-          "| KL(teacher || student), nats (start -> end) | encoder sequences/s |")  # fmt: skip
+          "| KL to the teacher, nats (start -> end) | encoder sequences/s |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, row in rows.items():
         agree = kl = "—"
