@@ -109,9 +109,18 @@ def main() -> None:
     for name, process in running.items():
         wait(process, f"student {name}")
 
-    rows = {"teacher": {"eval": last_eval(teacher), "speed": forward_speed(teacher)}}
-    for name in students:
-        summary = json.loads((args.out / f"{name}.json").read_text().strip().splitlines()[-1])
+    summaries = {
+        name: json.loads((args.out / f"{name}.json").read_text().strip().splitlines()[-1])
+        for name in students
+    }
+    rows = {
+        "teacher": {
+            "eval": last_eval(teacher),
+            "parameters": summaries["distilled"]["teacher_parameters"],
+            "speed": forward_speed(teacher),
+        }
+    }
+    for name, summary in summaries.items():
         rows[name] = {
             "eval": last_eval(args.out / name),
             "agreement_before": summary["agreement_before"],
@@ -119,7 +128,6 @@ def main() -> None:
             "parameters": summary["student_parameters"],
             "speed": forward_speed(args.out / name),
         }
-    rows["teacher"]["parameters"] = summary["teacher_parameters"]
     print(json.dumps({"machine": machine(), **rows}, default=str))
     print("| model | parameters | held-out MLM accuracy | agreement with teacher (start -> end) "
           "| KL to the teacher, nats (start -> end) | encoder sequences/s |")  # fmt: skip
