@@ -171,6 +171,29 @@ def test_map_batches_runs_workers_at_once_on_their_share_of_threads() -> None:
         decode.map_batches(fn, [5], workers=0)
 
 
+def test_map_batches_runs_no_more_workers_than_threads() -> None:
+    # Workers beyond the thread count would only take turns on the cores: at most 2 here.
+    lock = threading.Lock()
+    running, most, seen = [0], [0], []
+
+    def fn(i: int) -> int:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            seen.append(torch.get_num_threads())
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        return -i
+
+    torch.set_num_threads(2)
+    try:
+        assert decode.map_batches(fn, list(range(8)), workers=4) == [-i for i in range(8)]
+    finally:
+        torch.set_num_threads(1)
+    assert most[0] == 2 and seen == [1] * 8
+
+
 def test_map_batches_stops_at_an_error_without_running_the_rest() -> None:
     started: list[int] = []
 

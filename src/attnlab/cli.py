@@ -425,7 +425,8 @@ def _add_decoding_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--workers",
         type=int,
-        help="batches decoded at once, sharing the threads (default: one per thread on CPU)",
+        help="batches decoded at once, sharing the threads, at most one per thread "
+        "(default: one per thread on CPU)",
     )
 
 
