@@ -174,6 +174,7 @@ def test_map_batches_runs_workers_at_once_on_their_share_of_threads() -> None:
 def test_map_batches_runs_no_more_workers_than_threads() -> None:
     # Workers beyond the thread count would only take turns on the cores: at most 2 here.
     lock = threading.Lock()
+    two_running = threading.Barrier(2, timeout=30)  # so at least two overlap, however slow
     running, most, seen = [0], [0], []
 
     def fn(i: int) -> int:
@@ -181,6 +182,8 @@ def test_map_batches_runs_no_more_workers_than_threads() -> None:
             running[0] += 1
             most[0] = max(most[0], running[0])
             seen.append(torch.get_num_threads())
+        if i < 2:
+            two_running.wait()
         time.sleep(0.05)
         with lock:
             running[0] -= 1
