@@ -25,7 +25,7 @@ from conftest import VARIED_SENTENCES
 from attnlab.cli import main
 from attnlab.config import BertConfig
 from attnlab.interop.hf import save_bert
-from attnlab.models.bert import BertModel
+from attnlab.models.bert import BertForPreTraining, BertModel
 from attnlab.text.tokenizer import SPECIAL_TOKENS, BertTokenizer
 
 TINY_MAX_POSITIONS = 32  # small, so over-long input is cheap to make
@@ -328,12 +328,12 @@ def test_export_loads_in_transformers_with_the_same_outputs(
     diff = (ref.last_hidden_state - got.last_hidden_state)[real].abs().max().item()
     assert diff <= 1e-5
     assert (ref.pooler_output - got.pooler_output).abs().max().item() <= 1e-5
-    # Permissions follow the umask, like any directory a user makes (not mkdtemp's 0700);
-    # model.safetensors is left out: safetensors >= 0.8 itself creates it 0600.
+    # Permissions follow the umask, like any directory a user makes (not mkdtemp's 0700),
+    # model.safetensors too (safetensors >= 0.8 creates its files 0600).
     umask = os.umask(0)
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask
-    for name in ("config.json", "vocab.txt"):
+    for name in ("config.json", "vocab.txt", "model.safetensors"):
         assert (out / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
 
 
@@ -354,11 +354,29 @@ def test_export_refuses_a_non_empty_out_unless_overwrite(cli, tiny_dir, tmp_path
     assert sorted(os.listdir(tmp_path)) == before
 
 
-def test_export_onto_its_own_model_dir_is_refused(cli, tiny_dir):
+def test_export_onto_its_own_model_dir_or_one_above_it_is_refused(cli, tiny_dir):
     before = {p.name: p.stat().st_mtime_ns for p in tiny_dir.iterdir()}
     result = cli("export", "--model", tiny_dir, "--out", tiny_dir, "--overwrite")
-    assert_one_error(*result, "--out must differ from --model")
+    assert_one_error(*result, f"--out {tiny_dir} is the input")
+    # replacing a folder above the model would delete the model with it
+    result = cli("export", "--model", tiny_dir, "--out", tiny_dir.parent, "--overwrite")
+    assert_one_error(*result, f"--out {tiny_dir.parent} holds the input")
     assert {p.name: p.stat().st_mtime_ns for p in tiny_dir.iterdir()} == before
+
+
+@pytest.mark.parametrize("out", ["", ".", ".."])
+def test_export_to_a_path_naming_no_directory_of_its_own_is_refused(
+    cli, tiny_dir, out, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path / "..")  # were it not refused, nothing of the repository is near
+    assert_one_error(*cli("export", "--model", tiny_dir, "--out", out, "--overwrite"), "--out")
+
+
+def test_export_through_a_file_is_one_error_line(cli, tiny_dir, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    result = cli("export", "--model", tiny_dir, "--out", tmp_path / "notes.txt" / "sub")
+    assert_one_error(*result, "notes.txt is a file, not a directory")
+    assert os.listdir(tmp_path) == ["notes.txt"]
 
 
 def test_export_of_a_model_hf_cannot_run_is_refused(cli, tmp_path):
@@ -445,6 +463,45 @@ def test_tokenizer_train_refuses_tiny_vocab_and_non_empty_out(cli, corpus, tmp_p
     assert os.listdir(out) == ["keep.txt"]
 
 
+# ---------------------------------------------------------------------------- fill-mask
+
+
+@pytest.fixture(scope="module")
+def tiny_mlm_dir(tmp_path_factory, minilm_dir: Path) -> Path:
+    """tiny_dir's sizes with masked-LM and next-sentence heads (random weights)."""
+    tokenizer = BertTokenizer.from_vocab(minilm_dir / "vocab.txt")
+    torch.manual_seed(0)
+    config = BertConfig.preset(
+        "bert-tiny", vocab_size=tokenizer.vocab_size, max_positions=TINY_MAX_POSITIONS
+    )
+    out = tmp_path_factory.mktemp("tiny-mlm") / "model"
+    save_bert(BertForPreTraining(config).eval(), out, tokenizer)
+    return out
+
+
+def test_fill_mask_refuses_an_encoder_without_its_masked_lm_head(cli, tiny_dir):
+    # load_bert would give it a random head: predictions that mean nothing
+    assert_one_error(*cli("fill-mask", "--model", tiny_dir, "a [MASK] day"), "no masked-LM head")
+
+
+def test_fill_mask_refuses_a_tokenizer_larger_than_the_model(cli, tiny_mlm_dir, tmp_path):
+    model = tmp_path / "model"
+    link_files(tiny_mlm_dir, model, ("model.safetensors", *TOKENIZER_FILES))
+    _copy_config(tiny_mlm_dir, model, vocab_size=1000)  # MiniLM's vocabulary has 30,522
+    result = cli("fill-mask", "--model", model, "a [MASK] day")
+    assert_one_error(*result, "30522 tokens", "vocab_size 1000")
+
+
+def test_fill_mask_on_text_longer_than_the_model(cli, tiny_mlm_dir):
+    words = " ".join(["word"] * 2 * TINY_MAX_POSITIONS)
+    message = assert_one_error(*cli("fill-mask", "--model", tiny_mlm_dir, f"{words} [MASK]"))
+    assert f"beyond the model's {TINY_MAX_POSITIONS} positions" in message
+    assert len(message) < 200  # the text is quoted in part, not whole
+    code, out, err = cli("fill-mask", "--model", tiny_mlm_dir, "--json", f"[MASK] {words}")
+    assert code == 0 and len(json.loads(out)["masks"]) == 1
+    assert err.startswith("warning:") and f"model's {TINY_MAX_POSITIONS}" in err
+
+
 # ---------------------------------------------------------------------------- bad models
 
 
@@ -513,6 +570,16 @@ def make_corrupt_weights(tiny_dir: Path, target: Path) -> None:
     (target / "model.safetensors").write_bytes(b"this is not a safetensors file" * 100)
 
 
+def make_typed_wrong(**changes) -> Callable[[Path, Path], None]:
+    """A maker of a model dir whose config.json holds values of the wrong JSON type."""
+
+    def make(tiny_dir: Path, target: Path) -> None:
+        link_files(tiny_dir, target, ("model.safetensors", *TOKENIZER_FILES))
+        _copy_config(tiny_dir, target, **changes)
+
+    return make
+
+
 CONFIG_PROBLEMS = {
     "missing-dir": (make_missing, ("does not exist",)),
     "empty-dir": (make_empty, ("config.json not found",)),
@@ -521,6 +588,12 @@ CONFIG_PROBLEMS = {
     "contradictory": (make_contradictory, ("d_model (100)", "n_heads (12)")),
     "bogus-position-encoding": (make_bogus_position_encoding, ("position encoding 'bogus'",)),
     "unknown-attnlab-setting": (make_unknown_attnlab_setting, ("'preset'",)),
+    "string-number": (
+        make_typed_wrong(initializer_range="abc"),
+        ("initializer_range must be a finite number", "'abc'"),
+    ),
+    "bool-size": (make_typed_wrong(type_vocab_size=True), ("type_vocab_size must be an integer",)),
+    "list-activation": (make_typed_wrong(hidden_act=["gelu"]), ("hidden_act ['gelu']",)),
 }
 WEIGHT_PROBLEMS = {  # tokenize does not read weights
     "missing-weights": (make_missing_weights, ("no model.safetensors",)),

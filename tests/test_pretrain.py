@@ -286,6 +286,50 @@ def test_corrupt_checkpoint_on_resume_is_refused(corpus, tmp_path, capsys):
     assert state.read_bytes() == b"not a checkpoint"
 
 
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_refused_options_leave_an_existing_run_as_it_was(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    args = ["pretrain", "--corpus", str(corpus), "--out", str(out), *TINY, "--steps", "2", *cache]
+    assert main([*args, "--save-every", "1"]) == 0
+    capsys.readouterr()
+    before = _snapshot(out)
+    # Each is refused before anything is written: with --overwrite the tokenizer of another
+    # --vocab-size used to replace the run's own before the learning rate was checked.
+    for bad in (["--lr", "-1"], ["--lr", "inf"], ["--warmup", "-1"], ["--keep-last", "-1"],
+                ["--seed", "-1"]):  # fmt: skip
+        message = _error([*args, "--overwrite", "--vocab-size", "300", *bad], capsys)
+        assert bad[0].lstrip("-").replace("-", "_") in message, message
+        assert _snapshot(out) == before
+    fresh = tmp_path / "fresh"
+    _error([*args[:4], str(fresh), *args[5:], "--lr", "0"], capsys)
+    assert not fresh.exists()
+
+    # A string where a config file needs true/false or a number is refused, not truthy.
+    for line in ('overwrite = "no"', "steps = 3.5", 'lr = "1e-4"', "corpus = 5", 'out = ["a"]'):
+        (tmp_path / "run.toml").write_text(line + "\n")
+        message = _error([*args, "--config", str(tmp_path / "run.toml")], capsys)
+        assert line.split(" =")[0] in message and "must be" in message, message
+        assert _snapshot(out) == before
+
+    # Resuming with other settings names the mismatch; it does not call the checkpoint broken.
+    message = _error([*args, "--steps", "4", "--resume", "--preset", "bert-mini"], capsys)
+    assert "holds another model" in message and "delete" not in message
+    assert _snapshot(out) == before
+
+
+def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
+    from attnlab.cli import read_config_file
+
+    (tmp_path / "run.yaml").write_text("lr: 1e-4\nwarmup: 10\nname: 1e-4x\n")
+    assert read_config_file(str(tmp_path / "run.yaml")) == {
+        "lr": 1e-4, "warmup": 10, "name": "1e-4x",
+    }  # fmt: skip
+
+
 def test_compiled_pretraining_step_equals_eager_with_dropout() -> None:
     # `--compile` on BERT with dropout (and attention dropout): the compiled forward and
     # backward give eager's loss and gradients from the same seed (the dropout masks are drawn

@@ -1,6 +1,7 @@
 """`attnlab <command>`: parses options and calls the library; results to stdout, messages to stderr.
 
-Every AttnlabError becomes one line on stderr and exit code 2, never a traceback.
+Every AttnlabError becomes one line on stderr and exit code 2, never a traceback; so do an
+OSError (a path through a file, a full disk, no permission) and running out of memory.
 """
 
 from __future__ import annotations
@@ -53,18 +54,15 @@ def read_lines(path: str | None) -> list[str]:
     return decode_lines(sys.stdin.buffer.read(), "stdin")
 
 
-def _load(model_dir: str) -> tuple[BertModel, BertTokenizer]:
-    from attnlab.interop.hf import load_bert, read_config
+def _load(model_dir: str, mlm: bool = False) -> tuple[BertModel, BertTokenizer]:
+    """A checkpoint's model (with its trained masked-LM head if mlm) and its tokenizer."""
+    from attnlab.interop.hf import check_vocabulary, load_bert, read_config
     from attnlab.text.tokenizer import BertTokenizer
 
     config = read_config(Path(model_dir))  # config problems first: they explain most failures
     tokenizer = BertTokenizer.from_dir(model_dir)
-    if tokenizer.vocab_size > config.vocab_size:  # else an IndexError deep in the embedding
-        raise AttnlabError(
-            f"the tokenizer in {model_dir} has {tokenizer.vocab_size} tokens but config.json "
-            f"says vocab_size {config.vocab_size}: are they from the same model?"
-        )
-    return load_bert(model_dir), tokenizer
+    check_vocabulary(Path(model_dir), tokenizer.vocab_size, config)
+    return load_bert(model_dir, heads=mlm, trained_heads=mlm), tokenizer
 
 
 # ------------------------------------------------------------------------------- commands
@@ -159,10 +157,8 @@ def cmd_export(args: argparse.Namespace) -> None:
     from attnlab.io import check_out_dir
     from attnlab.text.tokenizer import BertTokenizer
 
-    check_out_dir(Path(args.out), args.overwrite)
+    check_out_dir(Path(args.out), args.overwrite, inputs=[args.model])
     read_config(Path(args.model))  # config problems first, as in _load
-    if Path(args.out).resolve() == Path(args.model).resolve():
-        raise AttnlabError("--out must differ from --model")
     model = load_bert(args.model, heads=_has_heads(args.model))
     tokenizer = BertTokenizer.from_dir(args.model)
     save_bert(model, args.out, tokenizer, overwrite=args.overwrite, require_hf=True)
@@ -181,8 +177,8 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> None:
     from attnlab.text.bpe import train_bpe
     from attnlab.text.tokenizer import train_wordpiece
 
-    check_out_dir(Path(args.out), args.overwrite)
     files = [*(args.corpus or []), *args.files]
+    check_out_dir(Path(args.out), args.overwrite, inputs=files)
     if not files:
         raise AttnlabError("tokenizer train needs text files (FILES... or --corpus)")
     vocab_size = args.vocab_size or (8000 if args.type == "bpe" else 30522)
@@ -198,17 +194,29 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> None:
     _say(f"trained a {kind} vocabulary of {tokenizer.vocab_size} tokens -> {args.out}")
 
 
+def _yaml_load(text: str) -> object:
+    """YAML's safe load, where 1e-4 is a number as in YAML 1.2 (PyYAML's 1.1 reads a string)."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    exponent = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", exponent, list("-+0123456789"))
+    return yaml.load(text, Loader=Loader)  # a SafeLoader: no Python objects
+
+
 def read_config_file(path: str) -> dict[str, object]:
     """Options from a TOML or YAML file (keys as the long flags, '-' or '_' alike)."""
-    file = Path(path)
-    if not file.is_file():
-        raise AttnlabError(f"--config file {file} not found")
+    from attnlab.io import check_input_file
+
+    file = check_input_file(Path(path), "--config file")
     text = file.read_bytes()
     try:
         if file.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text.decode("utf-8"))
+            data = _yaml_load(text.decode("utf-8"))
         else:
             try:
                 import tomllib
@@ -231,10 +239,16 @@ def options_from(
     """A job's options dataclass from --config (TOML/YAML) overridden by the given flags."""
     import dataclasses
 
+    from attnlab.config import check_types
+
     fields = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, object] = {}
     if args.config:
-        values.update(read_config_file(args.config))
+        from_file = read_config_file(args.config)
+        if isinstance(from_file.get("corpus"), str):  # one file needs no list
+            from_file["corpus"] = [from_file["corpus"]]
+        check_types(cls, from_file, f"--config {args.config}")  # flags are typed by argparse
+        values.update(from_file)
     values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
     unknown = sorted(set(values) - fields)
     if unknown:
@@ -269,15 +283,16 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
 
 def cmd_fill_mask(args: argparse.Namespace) -> None:
     """Print the top-k fillers of each [MASK] with their probabilities."""
-    from attnlab.interop.hf import load_bert, read_config
     from attnlab.tasks.pretrain import fill_mask
-    from attnlab.text.tokenizer import BertTokenizer
 
-    read_config(Path(args.model))
-    tokenizer = BertTokenizer.from_dir(args.model)
-    model = load_bert(args.model, heads=True)
+    model, tokenizer = _load(args.model, mlm=True)
     for text in args.text:
-        predictions = fill_mask(model, tokenizer, text, args.top_k)
+        predictions = fill_mask(
+            model, tokenizer, text, args.top_k,
+            on_truncate=lambda n: _say(
+                f"warning: a text of {n} tokens was cut to the model's {model.config.max_positions}"
+            ),
+        )  # fmt: skip
         if args.json:
             print(json.dumps({"text": text, "masks": predictions}, ensure_ascii=False))
             continue
@@ -699,7 +714,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: run one command; AttnlabError -> one line on stderr, exit 2."""
+    """Run one command; bad input, a refused file operation, no memory: one line on stderr, exit 2."""
     try:
         args = build_parser().parse_args(argv)
         _set_threads(args)
@@ -712,6 +727,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as err:  # the file system said no: a path through a file, no space, no access
+        where = f": {err.filename}" if err.filename else ""
+        _say(f"attnlab: error: {err.strerror or err}{where}")
+        return EXIT_USAGE
+    except (MemoryError, RuntimeError) as err:
+        if isinstance(err, RuntimeError) and "can't allocate memory" not in str(err):
+            raise  # a fault of attnlab's, not of the input: keep the traceback
+        _say("attnlab: error: out of memory: the model or batch is too large for this machine")
+        return EXIT_USAGE
     return 0
 
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,6 +36,46 @@ NORM_POSITIONS = ("post", "pre")
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise AttnlabError(message)
+
+
+def _expected(value: Any, hint: Any) -> str | None:
+    """None when value (as JSON, TOML or YAML give it) fits the annotation hint, else what fits."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        misses = [_expected(value, arg) for arg in args]
+        return None if None in misses else " or ".join(m for m in misses if m)
+    if hint is type(None):
+        return None if value is None else "null"
+    if hint is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if isinstance(value, bool):  # bool is an int subclass; True is not a size or a rate
+        return {int: "an integer", float: "a number", str: "a string"}.get(hint, "a path")
+    if hint is int:
+        return None if isinstance(value, int) else "an integer"
+    if hint is float:
+        fits = isinstance(value, (int, float)) and math.isfinite(value)
+        return None if fits else "a finite number"
+    if hint is str:
+        return None if isinstance(value, str) else "a string"
+    if hint is Path:
+        return None if isinstance(value, (str, os.PathLike)) and str(value) else "a path"
+    if origin is list:
+        fits = isinstance(value, list) and all(_expected(v, args[0]) is None for v in value)
+        return None if fits else "a list of paths" if args[0] is Path else f"a list of {args[0]}"
+    if origin is tuple:
+        fits = isinstance(value, (list, tuple)) and len(value) == len(args)
+        fits = fits and all(_expected(v, a) is None for v, a in zip(value, args, strict=False))
+        return None if fits else f"a list of {len(args)} numbers"
+    return None  # Any, or a type this check does not know: the field's own validation decides
+
+
+def check_types(cls: type, values: dict[str, Any], source: str) -> None:
+    """Raise AttnlabError when a value does not fit its dataclass field's type (source names it)."""
+    hints = typing.get_type_hints(cls)
+    for name, value in values.items():
+        if name in hints:
+            expected = _expected(value, hints[name])
+            _check(expected is None, f"{source}: {name} must be {expected}, got {value!r}")
 
 
 _C = TypeVar("_C", bound="_JsonConfig")
@@ -116,6 +160,7 @@ class BertConfig(_JsonConfig):
 
     def validate(self) -> None:
         """Raise AttnlabError when a field is out of range or fields contradict each other."""
+        check_types(type(self), dataclasses.asdict(self), "config")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_positions"):
             value = getattr(self, name)
             _check(
@@ -155,9 +200,9 @@ class BertConfig(_JsonConfig):
             f"(vocab_size {self.vocab_size})",
         )
         _check(
-            self.embedding_size is None
-            or (isinstance(self.embedding_size, int) and self.embedding_size > 0),
-            f"config: embedding_size must be a positive integer or null, got {self.embedding_size!r}",
+            self.embedding_size is None or 0 < self.embedding_size <= self.d_model,
+            f"config: embedding_size must be from 1 to d_model ({self.d_model}) or null, got "
+            f"{self.embedding_size!r} (ALBERT factorises the embeddings to a smaller width)",
         )
         _check(
             isinstance(self.share_layers, bool),
@@ -238,6 +283,7 @@ class TransformerConfig(_JsonConfig):
 
     def validate(self) -> None:
         """Raise AttnlabError when a field is out of range or fields contradict each other."""
+        check_types(type(self), dataclasses.asdict(self), "config")
         for name in (
             "src_vocab_size",
             "tgt_vocab_size",

@@ -6,7 +6,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,6 +40,23 @@ def write_text_atomic(path: Path, text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
+def check_input_file(path: Path, what: str = "file") -> Path:
+    """path, if it names an existing file; else an AttnlabError that says what is wrong."""
+    path = Path(path)
+    if path.is_dir():
+        raise AttnlabError(f"{what} {path} is a directory, not a file")
+    if not path.is_file():
+        raise AttnlabError(f"{what} {path} not found")
+    return path
+
+
+def _default_mode() -> int:
+    """A new file's permissions under this process's umask (0o644 under the usual 022)."""
+    umask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_with_atomic(path: Path, writer: Callable[[Path], None]) -> None:
     """Call writer(tmp_path) and rename the result onto path (for libraries that write files)."""
     path = Path(path)
@@ -47,15 +64,41 @@ def write_with_atomic(path: Path, writer: Callable[[Path], None]) -> None:
     tmp = _temp_name(path)
     try:
         writer(tmp)
+        os.chmod(tmp, _default_mode())  # safetensors >= 0.8 creates its files 0600
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
 
-def check_out_dir(out: Path, overwrite: bool = False) -> None:
-    """Refuse an output directory that already holds files, unless overwrite is set."""
+def check_out_location(out: Path, inputs: Sequence[str | Path] = ()) -> None:
+    """Refuse an output directory that cannot be made, or whose replacement would lose an input.
+
+    Replacing out replaces everything below it: an out that is, or holds, one of the
+    command's inputs is refused, as is one that names no directory of its own ('.', '..', '/').
+    """
     out = Path(out)
+    if out.name in ("", ".", ".."):
+        raise AttnlabError(f"--out {str(out)!r} names no directory of its own: give a new one")
+    for source in map(Path, inputs):
+        if not source.exists():
+            continue
+        if out.resolve() == source.resolve():
+            raise AttnlabError(f"--out {out} is the input {source}: write to another directory")
+        if out.resolve() in source.resolve().parents:
+            raise AttnlabError(f"--out {out} holds the input {source}: choose another --out")
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise AttnlabError(f"--out {out} cannot be made: {above} is a file, not a directory")
+
+
+def check_out_dir(out: Path, overwrite: bool = False, inputs: Sequence[str | Path] = ()) -> None:
+    """Refuse an output directory that already holds files, unless overwrite is set.
+
+    ``check_out_location`` first: with or without overwrite, out must be a place of its own.
+    """
+    out = Path(out)
+    check_out_location(out, inputs)
     if out.exists() and not out.is_dir():
         raise AttnlabError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:

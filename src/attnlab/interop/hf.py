@@ -13,7 +13,9 @@ concatenated into attnlab's fused QKV projection on load and split again on save
 from __future__ import annotations
 
 import json
+import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +80,11 @@ def config_from_hf(data: dict[str, Any], source: str = "config.json") -> BertCon
             raise AttnlabError(f"{source}: missing {HF_FIELDS[required]!r}: is this a BERT config?")
     fields.setdefault("d_ff", 4 * fields["d_model"])
     act = data.get("hidden_act", "gelu")
-    if act not in HF_ACTIVATIONS:
+    if not isinstance(act, str) or act not in HF_ACTIVATIONS:
         raise AttnlabError(f"{source}: unsupported hidden_act {act!r}")
     fields["activation"] = HF_ACTIVATIONS[act]
     pos_type = data.get("position_embedding_type", "absolute")
-    if pos_type != "absolute":
+    if pos_type not in ("absolute", None):
         raise AttnlabError(f"{source}: position_embedding_type {pos_type!r} is not supported")
     fields["position_encoding"] = "learned"
     extra = data.get("attnlab", {})
@@ -274,6 +276,15 @@ def read_config(path: Path) -> BertConfig:
     return config_from_hf(data, str(config_file))
 
 
+def check_vocabulary(path: Path, tokenizer_size: int, config: BertConfig) -> None:
+    """Refuse a tokenizer with more tokens than the model's embedding table has rows."""
+    if tokenizer_size > config.vocab_size:  # else an IndexError deep in the embedding
+        raise AttnlabError(
+            f"the tokenizer in {path} has {tokenizer_size} tokens but config.json "
+            f"says vocab_size {config.vocab_size}: are they from the same model?"
+        )
+
+
 def read_weights(path: Path) -> dict[str, Tensor]:
     """The tensors of DIR/model.safetensors, else DIR/pytorch_model.bin (weights_only)."""
     path = Path(path)
@@ -282,22 +293,32 @@ def read_weights(path: Path) -> dict[str, Tensor]:
         if st.is_file():
             return load_file(str(st))
         if legacy.is_file():
-            state = torch.load(str(legacy), map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # torch's notes on pickle protocols: not for users
+                warnings.simplefilter("ignore")
+                state = torch.load(str(legacy), map_location="cpu", weights_only=True)
             if not isinstance(state, dict):
                 raise AttnlabError(f"{legacy}: expected a state dict")
             return state
     except AttnlabError:
         raise
+    except pickle.UnpicklingError:  # torch's message suggests weights_only=False: never here
+        raise AttnlabError(
+            f"{legacy} is not a file of plain tensors (only weights are loaded, never pickled "
+            "code): if it comes from a source you trust, convert it to model.safetensors"
+        ) from None
     except Exception as err:  # corrupt or truncated file: the libraries raise many types
         raise AttnlabError(f"cannot read weights in {path}: {str(err).splitlines()[0]}") from None
     raise AttnlabError(f"no model.safetensors or pytorch_model.bin in {path}")
 
 
-def load_bert(path: str | Path, heads: bool = False) -> BertModel | BertForPreTraining:
+def load_bert(
+    path: str | Path, heads: bool = False, trained_heads: bool = False
+) -> BertModel | BertForPreTraining:
     """A BERT from an HF or attnlab checkpoint directory, in eval mode.
 
     heads=True builds BertForPreTraining; checkpoints without pretraining heads then get
-    freshly initialised ones.
+    freshly initialised ones, unless trained_heads=True, which refuses them (fill-mask and a
+    distillation teacher need the masked-LM head a checkpoint was trained with).
     """
     path = Path(path)
     config = read_config(path)
@@ -305,6 +326,11 @@ def load_bert(path: str | Path, heads: bool = False) -> BertModel | BertForPreTr
     has_pooler = any(k.endswith("pooler.dense.weight") for k in state)
     has_heads = any(k.startswith("cls.predictions") for k in state)
     has_sentence_head = any(k.startswith("cls.seq_relationship") for k in state)
+    if trained_heads and not has_heads:
+        raise AttnlabError(
+            f"{path} has no masked-LM head (cls.predictions): this needs a BertForPreTraining "
+            "or BertForMaskedLM checkpoint, not an encoder-only one"
+        )
     if heads and not has_heads:
         # An encoder-only checkpoint: its weights fill the encoder, the heads start fresh.
         encoder = BertModel(config, add_pooler=has_pooler)

@@ -16,6 +16,7 @@ the output directory is an HF-compatible ``BertForMaskedLM`` checkpoint with the
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +29,8 @@ from torch import Tensor, nn
 
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
-from attnlab.interop.hf import load_bert, read_config, read_weights
+from attnlab.interop.hf import check_vocabulary, load_bert, read_config
+from attnlab.io import check_input_file
 from attnlab.models.bert import BertForPreTraining, count_parameters
 from attnlab.nn.loss import summed_cross_entropy
 from attnlab.tasks.pretrain import (
@@ -306,12 +308,14 @@ class DistillOptions(RunOptions):
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.temperature <= 0:
-            raise AttnlabError(f"--temperature must be positive, got {self.temperature}")
+        if not 0 < self.temperature < math.inf:
+            raise AttnlabError(f"--temperature must be a finite number > 0, got {self.temperature}")
         for name in ("alpha_ce", "alpha_mlm", "alpha_cos"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise AttnlabError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+            if value is not None and not 0 <= value < math.inf:
+                raise AttnlabError(
+                    f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}"
+                )
         if Path(self.out).resolve() == Path(self.teacher).resolve():
             raise AttnlabError("--out must differ from --teacher")
 
@@ -335,19 +339,10 @@ class DistillOptions(RunOptions):
 
 def _load_teacher(opts: DistillOptions) -> tuple[BertForPreTraining, BertTokenizer]:
     read_config(opts.teacher)  # a missing or wrong directory is reported as such first
-    # load_bert gives an encoder-only checkpoint fresh MLM heads: nothing to distil from.
-    if not any(name.startswith("cls.predictions") for name in read_weights(opts.teacher)):
-        raise AttnlabError(
-            f"the teacher in {opts.teacher} has no masked-LM head (cls.predictions): "
-            "distillation needs a BertForPreTraining / BertForMaskedLM checkpoint"
-        )
-    teacher = load_bert(opts.teacher, heads=True)
+    # An encoder-only checkpoint would get fresh MLM heads: nothing to distil from.
+    teacher = load_bert(opts.teacher, heads=True, trained_heads=True)
     tokenizer = BertTokenizer.from_dir(opts.teacher)
-    if tokenizer.vocab_size > teacher.config.vocab_size:
-        raise AttnlabError(
-            f"the tokenizer in {opts.teacher} has {tokenizer.vocab_size} tokens but config.json "
-            f"says vocab_size {teacher.config.vocab_size}: are they from the same model?"
-        )
+    check_vocabulary(opts.teacher, tokenizer.vocab_size, teacher.config)
     if opts.seq_len > teacher.config.max_positions:
         raise AttnlabError(
             f"--seq-len {opts.seq_len} is above the teacher's max positions "
@@ -361,8 +356,7 @@ def distill(opts: DistillOptions) -> dict[str, Any]:
     opts.validate()
     files = [Path(f) for f in opts.corpus] or [bundled_corpus()]
     for file in files:
-        if not file.is_file():
-            raise AttnlabError(f"corpus file {file} not found")
+        check_input_file(file, "corpus file")
     data_opts = opts.pretraining()
     rank, _, _ = init_distributed()
     check_out_dir(data_opts)  # on every rank, before any rank writes

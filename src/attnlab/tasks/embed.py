@@ -95,6 +95,9 @@ def embed(
     """
     if pooling not in POOLINGS:
         raise AttnlabError(f"unknown pooling {pooling!r} (choose from mean, cls, none)")
+    for flag, value in (("--batch-size", max_batch), ("--batch-tokens", max_tokens)):
+        if value < 1:
+            raise AttnlabError(f"{flag} must be at least 1, got {value}")
     limit = model.config.max_positions
     max_length = max_length or min(limit, tokenizer.max_length or limit)
     if max_length > limit:

@@ -26,6 +26,7 @@ from torch import nn
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.interop.hf import load_bert, save_bert
+from attnlab.io import check_input_file, check_out_location
 from attnlab.models.bert import BertForPreTraining
 from attnlab.nn.packed import packed_linears
 from attnlab.text.masking import MaskingCollator, static_generator
@@ -251,6 +252,7 @@ class PretrainOptions(RunOptions):
 
 def check_out_dir(opts: PretrainOptions) -> None:
     """Refuse an --out that holds files or another run, unless resuming or overwriting."""
+    check_out_location(opts.out)
     # The trainer checks this too, but the tokenizer is written before it starts.
     out = opts.out
     if out.exists() and not out.is_dir():
@@ -372,10 +374,10 @@ def prepare_data(
 def pretrain(opts: PretrainOptions) -> dict[str, Any]:
     """Run (or resume) a pretraining job; returns the trainer's summary."""
     opts.validate()
+    config = trainer_config(opts, warmup_divisor=10)  # 10% warm-up; checked before any write
     files = [Path(f) for f in opts.corpus] or [bundled_corpus()]
     for file in files:
-        if not file.is_file():
-            raise AttnlabError(f"corpus file {file} not found")
+        check_input_file(file, "corpus file")
     rank, _, _ = init_distributed()
     check_out_dir(opts)  # on every rank, before any rank writes
     # Rank 0 makes the vocabulary, tokenizes and checks everything; only then is anything
@@ -398,7 +400,6 @@ def pretrain(opts: PretrainOptions) -> dict[str, Any]:
         data = prepare_data(opts, files, tokenizer)
         torch.manual_seed(opts.seed)
         model = build_model(opts, tokenizer)
-    config = trainer_config(opts, warmup_divisor=10)  # 10% warm-up
     summary = Trainer(model, data.batches, config, data.evaluate).fit()
     finish(model, tokenizer, opts.out, rank)
     return summary
@@ -543,16 +544,35 @@ def bench_pretraining(
 
 @torch.inference_mode()
 def fill_mask(
-    model: BertForPreTraining, tokenizer: BertTokenizer, text: str, top_k: int = 5
+    model: BertForPreTraining,
+    tokenizer: BertTokenizer,
+    text: str,
+    top_k: int = 5,
+    on_truncate: Callable[[int], None] | None = None,
 ) -> list[list[tuple[str, float]]]:
-    """For each [MASK] in text, the top_k (token, probability) predictions of the MLM head."""
+    """For each [MASK] in text, the top_k (token, probability) predictions of the MLM head.
+
+    A text longer than the model's positions is cut to them (on_truncate gets its length in
+    tokens); a [MASK] that the cut would drop is an error.
+    """
     if top_k < 1:
         raise AttnlabError("--top-k must be at least 1")
-    enc = tokenizer.encode(text, max_length=model.config.max_positions)
+    limit = model.config.max_positions
+    enc = tokenizer.encode(text, max_length=limit)
     ids = torch.tensor([enc.ids])
     positions = (ids[0] == tokenizer.mask_id).nonzero().flatten()
+    shown = text if len(text) <= 60 else text[:57] + "..."
+    if enc.truncated:
+        tokens = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(text))
+        if tokens.count(tokenizer.mask_id) > len(positions):
+            raise AttnlabError(
+                f"a [MASK] in {shown!r} lies beyond the model's {limit} positions "
+                f"(the text has {len(tokens) + 2} tokens): shorten the text before it"
+            )
+        if on_truncate is not None:
+            on_truncate(len(tokens) + 2)
     if len(positions) == 0:
-        raise AttnlabError(f"no [MASK] in {text!r}: mark each position to fill with [MASK]")
+        raise AttnlabError(f"no [MASK] in {shown!r}: mark each position to fill with [MASK]")
     hidden = model.bert(ids, token_type_ids=torch.tensor([enc.type_ids])).last_hidden_state
     probs = torch.softmax(model.mlm(hidden[0, positions]).float(), dim=-1)
     top = probs.topk(min(top_k, probs.shape[-1]), dim=-1)

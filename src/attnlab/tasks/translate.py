@@ -32,7 +32,7 @@ from torch import nn
 from attnlab.config import TRANSFORMER_PRESETS, TransformerConfig
 from attnlab.decode import translate_batches
 from attnlab.errors import AttnlabError
-from attnlab.io import write_text_atomic, write_with_atomic
+from attnlab.io import check_out_location, write_text_atomic, write_with_atomic
 from attnlab.metrics import corpus_bleu
 from attnlab.models.seq2seq import Transformer
 from attnlab.text.bpe import BpeTokenizer, train_bpe_from_texts
@@ -275,6 +275,7 @@ def _paths(value: Any, name: str) -> list[Path]:
 
 def check_out_dir(opts: TranslateOptions) -> None:
     """Refuse an --out that holds files or another run, unless resuming or overwriting."""
+    check_out_location(opts.out)
     out = opts.out
     if out.exists() and not out.is_dir():
         raise AttnlabError(f"--out {out} exists and is not a directory")

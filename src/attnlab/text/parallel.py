@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from attnlab.errors import AttnlabError
+from attnlab.io import check_input_file
 
 Batch = dict[str, Any]  # keyword arguments of the model: src_ids, tgt_in, tgt_out
 
@@ -38,9 +39,7 @@ class ParallelText:
 
 def read_text_lines(path: Path) -> list[str]:
     """Lines of a UTF-8 text file (.gz allowed), without line endings; errors name the line."""
-    path = Path(path)
-    if not path.is_file():
-        raise AttnlabError(f"file {path} not found")
+    path = check_input_file(path)
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as stream:

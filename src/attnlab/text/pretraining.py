@@ -554,11 +554,11 @@ class ExampleBuilder:
         if not 0.0 <= short_seq_prob <= 1.0:
             raise AttnlabError(f"short_seq_prob must lie in [0, 1], got {short_seq_prob}")
         if corpus.n_documents == 0:
-            raise AttnlabError(f"corpus {corpus!r} has no documents")
+            raise AttnlabError("the corpus has no documents")
         if objective == "mlm+nsp" and corpus.n_documents < 2:
             raise AttnlabError(
-                f"corpus {corpus!r} has a single document: next-sentence prediction needs "
-                "at least two (use --objective mlm)"
+                "the corpus has a single document (a blank line ends one): next-sentence "
+                "prediction needs at least two (use --objective mlm)"
             )
         self.corpus = corpus
         self._base = corpus.corpus if isinstance(corpus, CorpusView) else corpus

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
 
@@ -156,18 +157,45 @@ def _first_line(exc: BaseException) -> str:
 
 
 def read_checkpoint(path: Path, model: nn.Module) -> dict[str, Any]:
-    """Load the weights of checkpoint path into model and return its trainer state."""
+    """Load the weights of checkpoint path into model and return its trainer state.
+
+    A damaged checkpoint and one of another model (a run resumed with other settings) get
+    different errors: the first is deleted to fall back to the one before, the second is fine.
+    """
     try:
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
         if not isinstance(state, dict) or "step" not in state:
             raise ValueError(f"{STATE_FILE} holds no trainer state")
-        load_model(model, str(path / MODEL_FILE), strict=True, device=str(_device_of(model)))
+        with safe_open(str(path / MODEL_FILE), framework="pt") as file:
+            names = file.keys()  # a safe_open handle is not iterable itself
+            saved = {name: tuple(file.get_slice(name).get_shape()) for name in names}
     except Exception as exc:
+        raise _unreadable(path, exc) from exc
+    ours = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    other = [name for name, shape in saved.items() if ours.get(name, shape) != shape]
+    other += [name for name in saved if name not in ours]
+    if not other:
+        try:
+            # strict=False: tied weights are stored once, and load_model reports what is missing
+            missing, _ = load_model(model, str(path / MODEL_FILE), strict=False,
+                                    device=str(_device_of(model)))  # fmt: skip
+            other = sorted(missing)
+        except Exception as exc:
+            raise _unreadable(path, exc) from exc
+    if other:
         raise AttnlabError(
-            f"checkpoint {path} is unreadable ({_first_line(exc)}): delete it to resume "
-            "from the one before"
-        ) from exc
+            f"checkpoint {path} holds another model ({len(other)} weights differ, e.g. "
+            f"{other[0]}): resume with the settings the run began with (preset, objective, "
+            "teacher...), or start afresh with --overwrite"
+        )
     return state
+
+
+def _unreadable(path: Path, exc: BaseException) -> AttnlabError:
+    return AttnlabError(
+        f"checkpoint {path} is unreadable ({_first_line(exc)}): delete it to resume "
+        "from the one before"
+    )
 
 
 def _device_of(model: nn.Module) -> torch.device:

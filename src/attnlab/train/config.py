@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,8 +70,9 @@ class TrainConfig:
         for name in ("warmup", "eval_every", "save_every", "keep_last"):
             if getattr(self, name) < 0:
                 raise AttnlabError(f"train: {name} must be >= 0, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise AttnlabError(f"train: lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise AttnlabError(f"train: lr must be a finite number > 0, got {self.lr}")
+        check_seed(self.seed)
         choices = {"schedule": SCHEDULES, "optimizer": tuple(OPTIMIZER_DEFAULTS)}
         choices["precision"] = PRECISIONS
         for name, allowed in choices.items():
@@ -120,6 +122,13 @@ class RunOptions:
             )
         if self.resume and self.overwrite:
             raise AttnlabError("--resume and --overwrite contradict each other: choose one")
+        check_seed(self.seed)
+
+
+def check_seed(seed: int) -> None:
+    """Raise AttnlabError unless seed is an integer in [0, 2**63) (what every RNG here takes)."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise AttnlabError(f"--seed must be an integer from 0 to 2**63 - 1, got {seed!r}")
 
 
 def seed_everything(seed: int) -> None:
