@@ -463,6 +463,32 @@ def test_tokenizer_train_refuses_tiny_vocab_and_non_empty_out(cli, corpus, tmp_p
     assert os.listdir(out) == ["keep.txt"]
 
 
+def test_tokenizer_train_refuses_zero_size_blank_text_and_cased_bpe(cli, corpus, tmp_path):
+    out = tmp_path / "tok"
+    # --vocab-size 0 was taken as "not given" and trained the default size
+    result = cli("tokenizer", "train", "--corpus", corpus, "--vocab-size", "0", "--out", out)
+    assert_one_error(*result, "--vocab-size must be at least 10")
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n\n  \n")
+    result = cli("tokenizer", "train", "--type", "bpe", "--corpus", blank, "--out", out)
+    assert_one_error(*result, "holds no text")
+    result = cli("tokenizer", "train", "--type", "bpe", "--cased", "--corpus", corpus, "--out", out)
+    assert_one_error(*result, "--cased is a WordPiece option")
+    assert not out.exists()
+
+
+def test_json_results_hold_null_where_a_number_is_not_finite(capsys):
+    from attnlab.cli import _print_json
+
+    # a constant prediction's correlation is NaN, a diverged loss inf: JSON has neither
+    _print_json({"pearson": float("nan"), "rows": [1.0, float("inf")], "name": "x"})
+    assert json.loads(capsys.readouterr().out) == {
+        "pearson": None,
+        "rows": [1.0, None],
+        "name": "x",
+    }
+
+
 # ---------------------------------------------------------------------------- fill-mask
 
 

@@ -557,3 +557,41 @@ def test_heads_that_do_not_fit(tiny_dir, tmp_path, capsys):
     assert_one_error(
         run(capsys, "evaluate", "--model", classifier, "--data", dev), "line 3", "'maybe'"
     )
+
+
+def test_settings_refused_before_training_or_writing(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = finetune_args(tiny_dir, DATA / "sentiment.tsv", out, "--text-column", "sentence")
+    dev = ["--dev", DATA / "sentiment_dev.tsv"]
+    # a misspelt --best-metric was found only at the first dev score, after training
+    assert_one_error(run(capsys, *args, *dev, "--best-metric", "acc"), "not a classify score")
+    assert_one_error(run(capsys, *args, "--best-metric", "f1"), "--best-metric needs --dev")
+    assert_one_error(run(capsys, *args, "--weight-decay", "-1"), "weight_decay")
+    assert_one_error(run(capsys, *args, "--weight-decay", "nan"), "weight_decay")
+    assert not out.exists()
+
+
+def test_evaluate_and_predict_refuse_bad_settings_and_outputs(tiny_dir, tmp_path, capsys):
+    model = tmp_path / "clf"
+    args = finetune_args(tiny_dir, DATA / "sentiment.tsv", model, "--text-column", "sentence")
+    assert run(capsys, *args)[0] == 0
+    data = DATA / "sentiment_dev.tsv"
+    for command, extra in (("evaluate", ["--data", data]),
+                           ("predict", ["--input", data, "--output", tmp_path / "p.jsonl"])):  # fmt: skip
+        for size in ("0", "-1"):
+            result = run(capsys, command, "--model", model, *extra, "--batch-size", size)
+            assert_one_error(result, "--batch-size must be at least 1")
+    (tmp_path / "notes.txt").write_text("mine")
+    for output, fragment in ((tmp_path, "is a directory"),
+                             (tmp_path / "notes.txt" / "p.jsonl", "notes.txt is a file")):  # fmt: skip
+        result = run(capsys, "predict", "--model", model, "--input", data, "--output", output,
+                     "--overwrite")  # fmt: skip
+        assert_one_error(result, fragment)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    # a damaged finetune.json is named, and its task cannot contradict the model's head
+    settings = model / "finetune.json"
+    for text, fragment in (("[1]", "expected a JSON object"),
+                           ('{"max_length": "abc"}', "max_length must be an integer"),
+                           ('{"task": "regress"}', "says task 'regress'")):  # fmt: skip
+        settings.write_text(text)
+        assert_one_error(run(capsys, "evaluate", "--model", model, "--data", data), fragment)

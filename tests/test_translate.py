@@ -244,3 +244,49 @@ def test_bad_options_and_files(data, cli, tmp_path):
     assert_one_error(*cli(*args), "not found")
     assert_one_error(*cli("translate", "trian"), "invalid choice")
     assert not out.exists()
+
+
+def test_refused_options_leave_an_existing_run_and_a_new_out_as_they_were(run_dir, data, cli,
+                                                                         tmp_path):  # fmt: skip
+    # translate train wrote the config and vocabulary (and, with --overwrite, cleared the old
+    # model) before the trainer's settings were checked.
+    out = run_dir[0]
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for extra in (["--lr", 0], ["--warmup", 0], ["--keep-last", -1], ["--lr", "inf"]):
+        assert_one_error(*cli(*train_args(data, out, "--overwrite", *extra)), extra[0][2:])
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+        fresh = tmp_path / "fresh"
+        assert_one_error(*cli(*train_args(data, fresh, *extra)), extra[0][2:])
+        assert not fresh.exists()
+
+
+def test_empty_valid_files_are_refused_not_skipped(data, cli, tmp_path):
+    (tmp_path / "empty.tsv").write_text("\n")
+    args = train_args(data, tmp_path / "out")
+    args[args.index(data / "valid.tsv")] = tmp_path / "empty.tsv"
+    assert_one_error(*cli(*args), "--valid holds no sentence pair")
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--max-len-a", 0, "--max-len-b", 0], "not both 0"),
+        (["--max-len-b", -5], "--max-len-a and --max-len-b"),
+        (["--max-len-a", "inf"], "finite"),
+        (["--length-penalty", "nan"], "--length-penalty"),
+    ],
+    ids=["both-zero", "negative", "infinite", "nan-penalty"],
+)
+def test_decoding_settings_that_give_no_output_are_refused(run_dir, cli, flags, fragment):
+    assert_one_error(*cli("translate", "--model", run_dir[0], *flags, stdin="Hallo\n"), fragment)
+
+
+def test_score_of_empty_files_and_unknown_tokenizer(run_dir, cli, tmp_path):
+    (tmp_path / "empty").write_text("")
+    (tmp_path / "one").write_text("Hallo.\n")
+    score = ["translate", "score", "--model", run_dir[0]]
+    assert_one_error(*cli(*score, "--src", tmp_path / "empty", "--ref", tmp_path / "empty"),
+                     "no sentences to score")  # fmt: skip
+    result = cli(*score, "--src", tmp_path / "one", "--ref", tmp_path / "one", "--tokenize", "x")
+    assert_one_error(*result, "unknown BLEU tokenizer 'x'", "13a")
+    assert_one_error(*cli("translate", "--model", tmp_path / "one"), "is a file")

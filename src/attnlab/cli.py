@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,6 +35,22 @@ class _Parser(argparse.ArgumentParser):
 
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def _finite(value: object) -> object:
+    """value with every NaN or infinite float (inside dicts and lists too) replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _print_json(result: dict) -> None:
+    """One line of strict JSON on stdout: NaN (a diverged loss, a constant correlation) as null."""
+    print(json.dumps(_finite(result), default=str, ensure_ascii=False, allow_nan=False))
 
 
 def _set_threads(args: argparse.Namespace) -> None:
@@ -181,9 +198,13 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> None:
     check_out_dir(Path(args.out), args.overwrite, inputs=files)
     if not files:
         raise AttnlabError("tokenizer train needs text files (FILES... or --corpus)")
-    vocab_size = args.vocab_size or (8000 if args.type == "bpe" else 30522)
+    vocab_size = args.vocab_size
+    if vocab_size is None:
+        vocab_size = 8000 if args.type == "bpe" else 30522
     if vocab_size < 10:
         raise AttnlabError("--vocab-size must be at least 10")
+    if args.type == "bpe" and args.cased:
+        raise AttnlabError("--cased is a WordPiece option: a BPE vocabulary always keeps case")
     if args.type == "bpe":
         tokenizer = train_bpe(files, vocab_size)
     else:
@@ -277,7 +298,7 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
         PretrainOptions, args, ("out",), ("out", "tokenizer", "init", "cache_dir")
     )
     summary = pretrain(options)
-    print(json.dumps({k: v for k, v in summary.items() if k != "checkpoint"}, default=str))
+    _print_json({k: v for k, v in summary.items() if k != "checkpoint"})
     _say(f"pretrained model written to {options.out}")
 
 
@@ -310,7 +331,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
         DistillOptions, args, ("teacher", "out"), ("teacher", "out", "cache_dir")
     )
     summary = distill(options)
-    print(json.dumps({k: v for k, v in summary.items() if k != "checkpoint"}, default=str))
+    _print_json({k: v for k, v in summary.items() if k != "checkpoint"})
     _say(f"distilled student written to {options.out}")
 
 
@@ -322,14 +343,14 @@ def cmd_finetune(args: argparse.Namespace) -> None:
         FinetuneOptions, args, ("model", "train", "out"), ("model", "train", "dev", "out")
     )
     results = finetune(options)["results"]
-    print(json.dumps(results, default=str))
+    _print_json(results)
     kept = results["best"] or results["final"]
     _say(f"fine-tuned model ({results['kept']}, step {kept['step']}) written to {options.out}")
 
 
 def _data_overrides(args: argparse.Namespace) -> dict[str, object]:
     keys = ("columns", "text_column", "text_pair_column", "label_column", "tag_column")
-    keys += ("max_length",)
+    keys += ("max_length", "doc_stride")
     return {key: getattr(args, key) for key in keys}
 
 
@@ -340,7 +361,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     metrics = evaluate_file(
         args.model, args.data, args.task, _data_overrides(args), batch_size=args.batch_size
     )
-    print(json.dumps(metrics))
+    _print_json(metrics)
 
 
 def cmd_predict(args: argparse.Namespace) -> None:
@@ -407,7 +428,7 @@ def cmd_translate_train(args: argparse.Namespace) -> None:
 
     options = options_from(TranslateOptions, args, ("out",), ("out", "tokenizer"))
     summary = train_translation(options, say=_say)
-    print(json.dumps({k: v for k, v in summary.items() if k != "checkpoint"}, default=str))
+    _print_json({k: v for k, v in summary.items() if k != "checkpoint"})
     if summary.get("averaged_steps"):
         _say(f"final model = average of the checkpoints of steps {summary['averaged_steps']}")
     _say(f"translation model written to {options.out}")
@@ -426,7 +447,7 @@ def cmd_translate_score(args: argparse.Namespace) -> None:
         )
     hyps = _translate(args, model, tokenizer, sources)
     result = corpus_bleu(hyps, references, tokenize=args.tokenize)
-    print(json.dumps({**result, "beam": 1 if args.greedy else args.beam}, ensure_ascii=False))
+    _print_json({**result, "beam": 1 if args.greedy else args.beam})
 
 
 def _add_decoding_flags(sub: argparse.ArgumentParser) -> None:
@@ -551,6 +572,7 @@ def _add_data_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--label-column", help="table column of the label (default 'label')")
     sub.add_argument("--tag-column", type=int, help="ner: CoNLL column of the tag (default -1)")
     sub.add_argument("--max-length", type=int, help="tokens per input (default 128; qa 384)")
+    sub.add_argument("--doc-stride", type=int, help="qa: overlap of passage windows (128)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -643,7 +665,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--best-metric", help="dev metric that picks the kept model")
     sub.add_argument("--new-head", action="store_true", default=None,
                      help="replace a fine-tuned --model's head (other task or labels)")  # fmt: skip
-    sub.add_argument("--doc-stride", type=int, help="qa: overlap of passage windows (128)")
     sub.add_argument("--max-answer-length", type=int, help="qa: longest answer in tokens (30)")
     sub.add_argument("--language", choices=("auto", "en", "zh"), help="qa: scoring rule")
     sub.add_argument("--fix-answer-offsets", action="store_true", default=None,

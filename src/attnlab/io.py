@@ -92,6 +92,19 @@ def check_out_location(out: Path, inputs: Sequence[str | Path] = ()) -> None:
         raise AttnlabError(f"--out {out} cannot be made: {above} is a file, not a directory")
 
 
+def check_output_file(output: Path, overwrite: bool = False) -> Path:
+    """output, if a file may go there: not a directory or below a file; existing only if overwrite."""
+    output = Path(output)
+    if output.is_dir():
+        raise AttnlabError(f"--output {output} is a directory: name a file")
+    above = next((p for p in output.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise AttnlabError(f"--output {output} cannot be made: {above} is a file, not a directory")
+    if output.exists() and not overwrite:
+        raise AttnlabError(f"--output {output} exists (pass --overwrite to replace it)")
+    return output
+
+
 def check_out_dir(out: Path, overwrite: bool = False, inputs: Sequence[str | Path] = ()) -> None:
     """Refuse an output directory that already holds files, unless overwrite is set.
 

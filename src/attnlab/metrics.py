@@ -246,9 +246,15 @@ def corpus_bleu(
             f"{len(hypotheses)} translations but {len(references)} references: "
             "the files must have the same number of lines"
         )
+    if not references:
+        raise AttnlabError("no sentences to score: the files are empty")
     try:
         bleu = BLEU(tokenize=tokenize)
-    except Exception as err:  # sacrebleu raises its own types for an unknown tokenizer
+    except KeyError:  # sacreBLEU's answer to an unknown tokenizer name
+        raise AttnlabError(
+            f"unknown BLEU tokenizer {tokenize!r} (sacreBLEU has {', '.join(BLEU.TOKENIZERS)})"
+        ) from None
+    except Exception as err:  # one it knows but cannot load (ja-mecab without MeCab, say)
         raise AttnlabError(f"sacreBLEU: {str(err).splitlines()[0]}") from None
     result = bleu.corpus_score(list(hypotheses), [list(references)])
     return {

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab import metrics as task_metrics
+from attnlab.config import check_types
 from attnlab.errors import AttnlabError
 from attnlab.interop.hf import (
     checkpoint_labels,
@@ -44,7 +45,7 @@ from attnlab.interop.hf import (
     read_config,
     save_task_model,
 )
-from attnlab.io import check_out_dir, write_text_atomic
+from attnlab.io import check_out_dir, check_output_file, write_text_atomic
 from attnlab.nn.packed import packed_linears
 from attnlab.tasks.pretrain import publish
 from attnlab.text import tasks as task_data
@@ -58,6 +59,12 @@ TASKS = ("classify", "regress", "ner", "qa")
 DEFAULT_MAX_LENGTH = {"classify": 128, "regress": 128, "ner": 128, "qa": 384}
 # The metric that picks the kept checkpoint (GLUE / CoNLL / SQuAD headline numbers).
 BEST_METRIC = {"classify": "accuracy", "regress": "pearson", "ner": "f1", "qa": "f1"}
+METRICS = {  # what each task's dev scores hold (metrics.py); mcc only for two classes
+    "classify": ("accuracy", "f1", "mcc"),
+    "regress": ("pearson", "spearman"),
+    "ner": ("precision", "recall", "f1"),
+    "qa": ("exact_match", "f1"),
+}
 SETTINGS_FILE = "finetune.json"  # the task and data settings evaluate/predict default to
 RESULTS_FILE = "results.json"
 TOKEN_OUTPUTS = ("start_logits", "end_logits")
@@ -137,6 +144,13 @@ class FinetuneOptions(RunOptions):
             raise AttnlabError(f"--train-answers must be all or first, got {self.train_answers!r}")
         if self.language not in ("auto", "en", "zh"):
             raise AttnlabError(f"--language must be auto, en or zh, got {self.language!r}")
+        if self.best_metric is not None and self.best_metric not in METRICS[self.task]:
+            raise AttnlabError(
+                f"--best-metric {self.best_metric!r} is not a {self.task} score "
+                f"(choose from {', '.join(METRICS[self.task])})"
+            )
+        if self.best_metric is not None and self.dev is None:
+            raise AttnlabError("--best-metric needs --dev: it picks the model by its dev score")
 
     def settings(self) -> dict[str, Any]:
         """The data settings saved with the model (finetune.json)."""
@@ -409,6 +423,8 @@ def run_model(
 
     Rows are run longest first in batches of similar length, so padding stays small.
     """
+    if batch_size < 1:
+        raise AttnlabError(f"--batch-size must be at least 1, got {batch_size}")
     device = next(model.parameters()).device
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]), reverse=True)
     results: list[dict[str, np.ndarray]] = [{} for _ in rows]
@@ -727,7 +743,16 @@ def load_finetuned(
             saved = json.loads(settings_file.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise AttnlabError(f"{settings_file}: not valid JSON ({err})") from None
-        settings.update({k: v for k, v in saved.items() if k in DATA_SETTINGS})
+        if not isinstance(saved, dict):
+            raise AttnlabError(f"{settings_file}: expected a JSON object of settings")
+        saved = {k: v for k, v in saved.items() if k in DATA_SETTINGS}
+        check_types(FinetuneOptions, saved, str(settings_file))
+        if saved.get("task", saved_task) != saved_task:  # config.json's head decides
+            raise AttnlabError(
+                f"{settings_file} says task {saved['task']!r} but the model's head is for "
+                f"{saved_task!r}: the two files are from different models"
+            )
+        settings.update(saved)
     if saved_task is None:
         raise AttnlabError(
             f"{model_dir} holds no fine-tuned head (config.json architectures): "
@@ -782,9 +807,7 @@ def predict_file(
     batch_size: int = 64,
 ) -> int:
     """Write predictions for an (unlabelled) input file; returns how many examples."""
-    output = Path(output_path)
-    if output.exists() and not overwrite:
-        raise AttnlabError(f"--output {output} exists (pass --overwrite to replace it)")
+    output = check_output_file(Path(output_path), overwrite)
     loaded = load_finetuned(model_dir, task, overrides)
     settings = {**loaded.settings, "_scoring": True}
     task = settings["task"]

@@ -15,6 +15,7 @@ best validation BLEU.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -101,6 +102,8 @@ def save_model_dir(
 
 def read_model_config(model_dir: Path) -> TransformerConfig:
     """The TransformerConfig of a translation model directory, or a one-line reason it is not one."""
+    if model_dir.exists() and not model_dir.is_dir():
+        raise AttnlabError(f"{model_dir} is a file: pass a translation model directory")
     if not model_dir.is_dir():
         raise AttnlabError(f"model directory {model_dir} not found")
     path = model_dir / CONFIG_FILE
@@ -169,6 +172,13 @@ def translate_lines(
         raise AttnlabError("--beam and --batch-size must be at least 1")
     if workers is not None and workers < 1:
         raise AttnlabError("--workers must be at least 1")
+    if not (0 <= max_len_a < math.inf and 0 <= max_len_b < math.inf and max_len_a + max_len_b > 0):
+        raise AttnlabError(
+            f"--max-len-a and --max-len-b must be finite, >= 0 and not both 0 "
+            f"(got {max_len_a}, {max_len_b})"
+        )
+    if not math.isfinite(length_penalty):
+        raise AttnlabError(f"--length-penalty must be a finite number, got {length_penalty}")
     config = model.config
     todo = [i for i, line in enumerate(lines) if line.strip()]
     ids, truncated = [], 0
@@ -315,7 +325,9 @@ def read_data(opts: TranslateOptions) -> tuple[ParallelText, ParallelText | None
         valid = read_parallel(opts.valid)
         if valid.skipped:
             notes.append(f"skipped {valid.skipped} validation pair(s) with an empty side")
-        return train, (valid if len(valid) else None), notes
+        if len(valid) == 0:
+            raise AttnlabError("--valid holds no sentence pair with text on both sides")
+        return train, valid, notes
     held = min(500, len(train) // 10)
     if held < 1:
         return train, None, [*notes, "no --valid and too few pairs to hold some out: no evaluation"]
@@ -467,11 +479,37 @@ def _finish(
     return result
 
 
+def trainer_config(opts: TranslateOptions) -> TrainConfig:
+    """The shared trainer's settings for a translation run: Adam, inverse-sqrt schedule."""
+    steps = opts.steps
+    return TrainConfig(
+        out_dir=opts.out,
+        steps=steps,
+        lr=opts.lr,
+        warmup=opts.warmup if opts.warmup is not None else max(1, min(4000, steps // 10)),
+        schedule="inverse_sqrt",
+        optimizer="adam",  # with the paper's betas (0.9, 0.98) and eps 1e-9
+        grad_accum=opts.grad_accum,
+        precision=opts.precision,
+        seed=opts.seed,
+        log_every=opts.log_every,
+        eval_every=opts.eval_every,
+        save_every=opts.save_every,
+        keep_last=max(opts.keep_last, opts.average_last),  # averaging needs them on disk
+        resume=opts.resume,
+        overwrite=opts.overwrite,
+        progress=opts.progress,
+        best_metric="valid_bleu" if opts.eval_sentences else None,  # None if nothing to score
+        max_seconds=opts.max_minutes * 60 if opts.max_minutes is not None else None,
+    )
+
+
 def train_translation(
     opts: TranslateOptions, say: Callable[[str], None] = lambda _: None
 ) -> dict[str, Any]:
     """Run (or resume) a translation training job; returns the trainer's summary."""
     opts.validate()
+    config = trainer_config(opts)  # checked before anything is written
     rank, _, _ = init_distributed()
     check_out_dir(opts)  # on every rank, before any rank writes
     # Rank 0 reads the data, learns the vocabulary and checks everything; only then is anything
@@ -493,27 +531,8 @@ def train_translation(
     torch.manual_seed(opts.seed)  # the initial weights are part of the run
     model = Transformer(data.config)
     evaluate = evaluation(data, opts.max_tokens, opts.eval_sentences, opts.eval_beam)
-    steps = opts.steps
-    config = TrainConfig(
-        out_dir=opts.out,
-        steps=steps,
-        lr=opts.lr,
-        warmup=opts.warmup if opts.warmup is not None else max(1, min(4000, steps // 10)),
-        schedule="inverse_sqrt",
-        optimizer="adam",  # with the paper's betas (0.9, 0.98) and eps 1e-9
-        grad_accum=opts.grad_accum,
-        precision=opts.precision,
-        seed=opts.seed,
-        log_every=opts.log_every,
-        eval_every=opts.eval_every,
-        save_every=opts.save_every,
-        keep_last=max(opts.keep_last, opts.average_last),  # averaging needs them on disk
-        resume=opts.resume,
-        overwrite=opts.overwrite,
-        progress=opts.progress,
-        best_metric="valid_bleu" if evaluate is not None and opts.eval_sentences else None,
-        max_seconds=opts.max_minutes * 60 if opts.max_minutes is not None else None,
-    )
+    if evaluate is None:
+        config = dataclasses.replace(config, best_metric=None)
 
     def keep_best(best_model: nn.Module, metrics: dict[str, float]) -> None:
         save_model_dir(opts.out / BEST_DIR, data.config, data.tokenizer, best_model)

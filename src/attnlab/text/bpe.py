@@ -14,7 +14,7 @@ Special tokens take the first ids: ``<pad>`` = 0, ``<sos>`` = 1, ``<eos>`` = 2, 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import tokenizers
@@ -141,10 +141,18 @@ def train_bpe(files: list[str | Path], vocab_size: int, min_frequency: int = 2) 
     for path in paths:
         if not path.is_file():
             raise AttnlabError(f"corpus file {path} not found")
-    # A TSV's TAB would otherwise glue the last source word to the first target word.
-    batches = ([line.replace("\t", " ") for line in batch] for batch in _corpus_batches(paths))
-    tokenizer = _train(batches, vocab_size, min_frequency)
-    if tokenizer.vocab_size <= len(SPECIAL_TOKENS):
+    seen_text = False
+
+    def batches() -> Iterator[list[str]]:
+        nonlocal seen_text
+        for batch in _corpus_batches(paths):
+            # A TSV's TAB would otherwise glue the last source word to the first target word.
+            lines = [line.replace("\t", " ") for line in batch]
+            seen_text = seen_text or any(line.strip() for line in lines)
+            yield lines
+
+    tokenizer = _train(batches(), vocab_size, min_frequency)
+    if not seen_text or tokenizer.vocab_size <= len(SPECIAL_TOKENS):
         names = ", ".join(str(path) for path in paths)
         raise AttnlabError(f"corpus {names} holds no text to learn a vocabulary from")
     return tokenizer

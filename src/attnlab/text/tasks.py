@@ -409,7 +409,10 @@ def read_conll(path: str | Path, tag_column: int | None = -1) -> list[WordExampl
     """Read a CoNLL column file (optionally .gz): token first, BIO tag in `tag_column`.
 
     Columns are whitespace-separated and a blank line ends a sentence; `-DOCSTART-` lines
-    are skipped. `tag_column=None` reads untagged text (one token a line, tags None).
+    are skipped. `tag_column=None` reads untagged text (one token a line, tags None). Tags
+    come back in BIO: an I-X that starts an entity (IOB1, as the original CoNLL-2003 files
+    write it, or a slip in a BIO file) becomes B-X, the entity conlleval and seqeval read
+    there, so an IOB1 training file and a BIO dev file share one label set.
     """
     path = _existing_file(path)
     examples: list[WordExample] = []
@@ -420,7 +423,7 @@ def read_conll(path: str | Path, tag_column: int | None = -1) -> list[WordExampl
     def end_sentence() -> None:
         if words:
             examples.append(
-                WordExample(list(words), None if tag_column is None else list(tags), start)
+                WordExample(list(words), None if tag_column is None else to_bio(tags), start)
             )
             words.clear()
             tags.clear()
@@ -599,6 +602,8 @@ def read_squad(path: str | Path, fix_offsets: bool = True) -> list[QAExample]:
                             answers.append({"text": text, "answer_start": start})
                         moved += start is not None and start != given
                     unlocated += len(others)
+                    # A question may be empty (CMRC 2018's trial set has one): the model
+                    # still reads the passage, and the official scripts score it.
                     examples.append(
                         QAExample(qid, title, str(qa["question"]), context, answers, others)
                     )

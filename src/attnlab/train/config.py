@@ -72,6 +72,10 @@ class TrainConfig:
                 raise AttnlabError(f"train: {name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.lr < math.inf:
             raise AttnlabError(f"train: lr must be a finite number > 0, got {self.lr}")
+        if self.weight_decay is not None and not 0 <= self.weight_decay < math.inf:
+            raise AttnlabError(
+                f"train: weight_decay must be a finite number >= 0, got {self.weight_decay}"
+            )
         check_seed(self.seed)
         choices = {"schedule": SCHEDULES, "optimizer": tuple(OPTIMIZER_DEFAULTS)}
         choices["precision"] = PRECISIONS
@@ -116,6 +120,8 @@ class RunOptions:
         """Raise AttnlabError for an impossible run setting."""
         if self.log_every < 1:
             raise AttnlabError(f"--log-every must be at least 1, got {self.log_every}")
+        if self.keep_last < 0:
+            raise AttnlabError(f"--keep-last must be >= 0 (0 keeps all), got {self.keep_last}")
         if self.precision not in PRECISIONS:
             raise AttnlabError(
                 f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
