@@ -368,7 +368,9 @@ def test_export_onto_its_own_model_dir_or_one_above_it_is_refused(cli, tiny_dir)
 def test_export_to_a_path_naming_no_directory_of_its_own_is_refused(
     cli, tiny_dir, out, tmp_path, monkeypatch
 ):
-    monkeypatch.chdir(tmp_path / "..")  # were it not refused, nothing of the repository is near
+    # Were it not refused, only folders of this test would be near: '..' is tmp_path/a.
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "a" / "b")
     assert_one_error(*cli("export", "--model", tiny_dir, "--out", out, "--overwrite"), "--out")
 
 
