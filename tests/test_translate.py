@@ -290,3 +290,14 @@ def test_score_of_empty_files_and_unknown_tokenizer(run_dir, cli, tmp_path):
     result = cli(*score, "--src", tmp_path / "one", "--ref", tmp_path / "one", "--tokenize", "x")
     assert_one_error(*result, "unknown BLEU tokenizer 'x'", "13a")
     assert_one_error(*cli("translate", "--model", tmp_path / "one"), "is a file")
+
+
+def test_a_config_file_may_give_one_training_file_as_a_string(data, tmp_path):
+    from attnlab.cli import build_parser, options_from
+    from attnlab.tasks.translate import TranslateOptions
+
+    (tmp_path / "run.toml").write_text(f'train = "{data / "valid.tsv"}"\nvocab_size = 300\n')
+    args = build_parser().parse_args(["translate", "train", "--config", str(tmp_path / "run.toml"),
+                                      "--out", str(tmp_path / "out")])  # fmt: skip
+    opts = options_from(TranslateOptions, args, ("out",), ("out", "tokenizer"))
+    assert opts.train == [data / "valid.tsv"] and opts.vocab_size == 300

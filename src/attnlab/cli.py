@@ -259,6 +259,7 @@ def options_from(
 ) -> T:
     """A job's options dataclass from --config (TOML/YAML) overridden by the given flags."""
     import dataclasses
+    import typing
 
     from attnlab.config import check_types
 
@@ -266,8 +267,9 @@ def options_from(
     values: dict[str, object] = {}
     if args.config:
         from_file = read_config_file(args.config)
-        if isinstance(from_file.get("corpus"), str):  # one file needs no list
-            from_file["corpus"] = [from_file["corpus"]]
+        for key, hint in typing.get_type_hints(cls).items():  # one file needs no list
+            if typing.get_origin(hint) is list and isinstance(from_file.get(key), str):
+                from_file[key] = [from_file[key]]
         check_types(cls, from_file, f"--config {args.config}")  # flags are typed by argparse
         values.update(from_file)
     values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
