@@ -568,6 +568,9 @@ def test_settings_refused_before_training_or_writing(tiny_dir, tmp_path, capsys)
     assert_one_error(run(capsys, *args, "--best-metric", "f1"), "--best-metric needs --dev")
     assert_one_error(run(capsys, *args, "--weight-decay", "-1"), "weight_decay")
     assert_one_error(run(capsys, *args, "--weight-decay", "nan"), "weight_decay")
+    three = write(tmp_path / "three.tsv", "sentence\tlabel\na\tx\nb\ty\nc\tz\nd\tx\n")
+    args3 = finetune_args(tiny_dir, three, out, "--text-column", "sentence", "--dev", three)
+    assert_one_error(run(capsys, *args3, "--best-metric", "mcc"), "mcc needs two classes")
     assert not out.exists()
 
 

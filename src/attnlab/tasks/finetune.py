@@ -628,6 +628,10 @@ def prepare(opts: FinetuneOptions) -> FinetuneRun:
     per_epoch = batches.batches_per_epoch
     steps = opts.steps if opts.steps is not None else opts.epochs * per_epoch
     best = opts.best_metric or BEST_METRIC[opts.task]
+    if best == "mcc" and labels is not None and labels.num_labels != 2:
+        raise AttnlabError(
+            f"--best-metric mcc needs two classes; these data have {labels.num_labels}"
+        )
     config = TrainConfig(
         out_dir=opts.out,
         steps=steps,
