@@ -10,6 +10,8 @@ Every bad input must give exit 2, one `attnlab: error:` line, no traceback, noth
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -598,3 +600,21 @@ def test_evaluate_and_predict_refuse_bad_settings_and_outputs(tiny_dir, tmp_path
                            ('{"task": "regress"}', "says task 'regress'")):  # fmt: skip
         settings.write_text(text)
         assert_one_error(run(capsys, "evaluate", "--model", model, "--data", data), fragment)
+
+
+def test_resume_before_the_first_log_row_or_into_a_new_out(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = finetune_args(tiny_dir, DATA / "sentiment.tsv", out, "--text-column", "sentence")
+    args[args.index("--steps") + 1] = "2"
+    # --resume into an --out that does not exist yet starts the run (a retry loop's first try)
+    assert run(capsys, *args, "--resume", "--save-every", "1")[0] == 0
+    final = (out / "model.safetensors").read_bytes()
+    # A run killed after its first checkpoint but before its first log row: only checkpoints.
+    for name in os.listdir(out):
+        if name != "checkpoints":
+            path = out / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    shutil.rmtree(out / "checkpoints" / "step-2")
+    code, _, err = run(capsys, *args, "--resume", "--save-every", "1")
+    assert code == 0, err
+    assert (out / "model.safetensors").read_bytes() == final  # resumed from step 1 exactly

@@ -430,3 +430,54 @@ def test_held_out_scores_are_the_same_on_packed_weights(corpus, vocab, tmp_path,
     assert packed.keys() == plain.keys() >= {"eval_mlm_loss", "eval_mlm_accuracy"}
     for name, value in plain.items():
         assert packed[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+def test_overwrite_clears_the_old_run_before_it_writes_anything(corpus, tmp_path, capsys,
+                                                                monkeypatch):  # fmt: skip
+    from attnlab.tasks import pretrain as recipe
+
+    out = tmp_path / "run"
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    args = ["pretrain", "--corpus", str(corpus), "--out", str(out), *TINY, "--steps", "2", *cache]
+    assert main([*args, "--save-every", "1"]) == 0
+    (out / "notes.txt").write_text("mine")
+
+    class Killed(BaseException):
+        pass
+
+    def killed(*_args, **_kwargs):
+        raise Killed  # stands for a SIGKILL once the new run's vocabulary is written
+
+    monkeypatch.setattr(recipe, "Trainer", killed)
+    with pytest.raises(Killed):
+        main([*args, "--overwrite", "--lr", "3e-4"])
+    # The old run went as a whole: --resume cannot continue its checkpoints by mistake
+    # (they were deleted only when the trainer started, after the new vocabulary was saved).
+    assert sorted(p.name for p in out.iterdir()) == ["tokenizer"]
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main([*args, "--resume", "--lr", "3e-4"]) == 0  # a start killed early begins again
+    rows = _rows(out)
+    assert [r["step"] for r in rows if not r.get("eval")][-1] == 2
+    assert rows[0]["lr"] == pytest.approx(1.5e-4)  # the new run's schedule (old: 5e-5 there)
+
+
+def test_resume_cleans_leftovers_and_warns_of_changed_settings(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    args = ["pretrain", "--corpus", str(corpus), "--out", str(out), *TINY, *cache]
+    assert main([*args, "--steps", "2", "--save-every", "1"]) == 0
+    # what kills during atomic writes leave: a temp file, a staged folder, an old copy
+    (out / ".model.safetensors.0123456789abcdef0123456789abcdef.tmp").write_bytes(b"half")
+    (out / ".final.tmp.0123456789abcdef0123456789abcdef.tmp").mkdir()
+    (out / "final.tmp").mkdir(exist_ok=True)
+    (out / "final.tmp" / ".vocab.txt.0123456789abcdef0123456789abcdef.tmp").write_text("x")
+    (out / ".best.k2j4h5g6.old").mkdir()
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert main([*args, "--steps", "3", "--resume", "--lr", "5e-4"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: resuming" in err and "lr 0.0005 (checkpoint: 0.0001)" in err
+    left = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
+    assert left == [] and (out / "notes.txt").read_text() == "mine"
+    assert not (out / "final.tmp").exists()

@@ -301,3 +301,14 @@ def test_a_config_file_may_give_one_training_file_as_a_string(data, tmp_path):
                                       "--out", str(tmp_path / "out")])  # fmt: skip
     opts = options_from(TranslateOptions, args, ("out",), ("out", "tokenizer"))
     assert opts.train == [data / "valid.tsv"] and opts.vocab_size == 300
+
+
+def test_resume_of_a_start_killed_while_writing_its_vocabulary(run_dir, data, cli, tmp_path):
+    # The config and the vocabulary are written one after the other, before the first step:
+    # a kill between them left --resume asking for the missing tokenizer.json forever.
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_bytes((run_dir[0] / "config.json").read_bytes())
+    code, _, err = cli(*train_args(data, out, "--resume"))
+    assert code == 0, err
+    assert (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -116,6 +117,44 @@ def check_out_dir(out: Path, overwrite: bool = False, inputs: Sequence[str | Pat
         raise AttnlabError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise AttnlabError(f"--out {out} already holds files (pass --overwrite to replace them)")
+
+
+def clear_dir(out: Path) -> None:
+    """Make out an empty directory in one step: the old one is renamed aside, then deleted.
+
+    A run started with --overwrite clears its --out this way before it writes anything, so a
+    kill at any moment leaves either the old run whole or no part of it (never old checkpoints
+    beside the new run's vocabulary, for --resume to continue by mistake).
+    """
+    out = Path(out)
+    if out.exists():
+        trash = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
+        os.replace(out, trash / "old")
+        out.mkdir()
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        out.mkdir(parents=True)
+
+
+# What _temp_name and the trash of clear_dir / staged_dir are called: .NAME.<32 hex>.tmp and
+# .NAME.<8 characters of mkdtemp>.old
+_LEFTOVER = re.compile(r"^\..+\.(?:[0-9a-f]{32}\.tmp|[a-z0-9_]{8}\.old)$")
+
+
+def is_leftover(path: Path) -> bool:
+    """Whether path is named as a temp file or trash directory of attnlab's writes."""
+    return _LEFTOVER.fullmatch(Path(path).name) is not None
+
+
+def remove_leftovers(folder: Path) -> None:
+    """Delete the temp files and trash directories a killed run left in folder (not below)."""
+    if Path(folder).is_dir():
+        for path in Path(folder).iterdir():
+            if is_leftover(path):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
 
 
 @contextmanager

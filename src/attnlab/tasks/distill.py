@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.interop.hf import check_vocabulary, load_bert, read_config
-from attnlab.io import check_input_file
+from attnlab.io import check_input_file, check_out_location, clear_dir
 from attnlab.models.bert import BertForPreTraining, count_parameters
 from attnlab.nn.loss import summed_cross_entropy
 from attnlab.tasks.pretrain import (
@@ -43,7 +43,7 @@ from attnlab.tasks.pretrain import (
 )
 from attnlab.text.tokenizer import BertTokenizer
 from attnlab.train.config import RunOptions
-from attnlab.train.distributed import init_distributed, raise_together
+from attnlab.train.distributed import barrier, init_distributed, raise_together
 from attnlab.train.trainer import Evaluate, Trainer
 
 _LAYER = re.compile(r"^bert\.encoder\.layers\.(\d+)\.(.+)$")
@@ -358,6 +358,8 @@ def distill(opts: DistillOptions) -> dict[str, Any]:
     for file in files:
         check_input_file(file, "corpus file")
     data_opts = opts.pretraining()
+    if opts.overwrite:  # --overwrite replaces --out as a whole: the teacher must not be in it
+        check_out_location(opts.out, [opts.teacher])
     rank, _, _ = init_distributed()
     check_out_dir(data_opts)  # on every rank, before any rank writes
     teacher, tokenizer = _load_teacher(opts)
@@ -383,6 +385,9 @@ def distill(opts: DistillOptions) -> dict[str, Any]:
     if rank != 0:
         job = prepare_data(data_opts, files, tokenizer)
     evaluate = distillation_evaluation(job.evaluate) if job.evaluate is not None else None
+    if rank == 0 and opts.overwrite:  # the old run goes as a whole, before anything is written
+        clear_dir(opts.out)
+    barrier()
     trainer = Trainer(model, job.batches, config, evaluate)  # moves model (and teacher)
     before: dict[str, float] = {}
     if evaluate is not None and rank == 0 and not opts.resume:

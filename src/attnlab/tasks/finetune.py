@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -45,7 +44,14 @@ from attnlab.interop.hf import (
     read_config,
     save_task_model,
 )
-from attnlab.io import check_out_dir, check_output_file, write_text_atomic
+from attnlab.io import (
+    check_out_dir,
+    check_out_location,
+    check_output_file,
+    clear_dir,
+    is_leftover,
+    write_text_atomic,
+)
 from attnlab.nn.packed import packed_linears
 from attnlab.tasks.pretrain import publish
 from attnlab.text import tasks as task_data
@@ -53,7 +59,7 @@ from attnlab.text.tokenizer import BertTokenizer
 from attnlab.train.config import RunOptions, TrainConfig
 from attnlab.train.data import Batch
 from attnlab.train.distributed import barrier, init_distributed, shutdown_distributed
-from attnlab.train.trainer import METRICS_FILE, Trainer
+from attnlab.train.trainer import Trainer, holds_run
 
 TASKS = ("classify", "regress", "ner", "qa")
 DEFAULT_MAX_LENGTH = {"classify": 128, "regress": 128, "ner": 128, "qa": 384}
@@ -577,8 +583,12 @@ def _check_out(opts: FinetuneOptions) -> None:
     out = opts.out
     if out.exists() and opts.model.exists() and out.resolve() == opts.model.resolve():
         raise AttnlabError("--out must differ from --model")
+    if opts.overwrite:  # --overwrite replaces --out as a whole: no input may be inside it
+        check_out_location(out, [p for p in (opts.model, opts.train, opts.dev) if p is not None])
     if opts.resume:
-        if not (out / METRICS_FILE).is_file():
+        # A run killed before its first log row may hold a checkpoint, or nothing yet.
+        started = holds_run(out) or (out / BEST_DIR).exists()
+        if out.is_dir() and not started and any(not is_leftover(p) for p in out.iterdir()):
             raise AttnlabError(f"--resume: {out} holds no fine-tuning run to resume")
         return
     check_out_dir(out, opts.overwrite)
@@ -677,9 +687,8 @@ def finetune(opts: FinetuneOptions) -> dict[str, Any]:
     if run.fresh:
         _say(f"{opts.model}: new randomly initialised {' and '.join(run.fresh)} for {opts.task}")
     stage = opts.out / BEST_DIR
-    if rank == 0 and opts.overwrite:
-        shutil.rmtree(stage, ignore_errors=True)
-        (opts.out / RESULTS_FILE).unlink(missing_ok=True)
+    if rank == 0 and opts.overwrite:  # the old run goes as a whole, before anything is written
+        clear_dir(opts.out)
     per_epoch = run.batches.batches_per_epoch
     trainer = Trainer(
         run.model,

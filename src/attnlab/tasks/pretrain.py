@@ -26,7 +26,7 @@ from torch import nn
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.interop.hf import load_bert, save_bert
-from attnlab.io import check_input_file, check_out_location
+from attnlab.io import check_input_file, check_out_location, clear_dir
 from attnlab.models.bert import BertForPreTraining
 from attnlab.nn.packed import packed_linears
 from attnlab.text.masking import MaskingCollator, static_generator
@@ -42,7 +42,7 @@ from attnlab.train.distributed import (
 )
 from attnlab.train.grads import clipped_step, kept_embedding_grads
 from attnlab.train.memory import keep_freed_memory
-from attnlab.train.trainer import METRICS_FILE, TrainConfig, Trainer
+from attnlab.train.trainer import TrainConfig, Trainer, has_checkpoint, holds_run
 
 TOKENIZER_DIR = "tokenizer"  # inside the output: the vocabulary a resumed run must reuse
 
@@ -252,23 +252,26 @@ class PretrainOptions(RunOptions):
 
 def check_out_dir(opts: PretrainOptions) -> None:
     """Refuse an --out that holds files or another run, unless resuming or overwriting."""
-    check_out_location(opts.out)
+    # --overwrite replaces --out as a whole: an input inside it would go too.
+    inputs = [*opts.corpus, opts.tokenizer, opts.init, opts.cache_dir] if opts.overwrite else []
+    check_out_location(opts.out, [p for p in inputs if p is not None])
     # The trainer checks this too, but the tokenizer is written before it starts.
     out = opts.out
     if out.exists() and not out.is_dir():
         raise AttnlabError(f"--out {out} exists and is not a directory")
-    holds_run = (out / METRICS_FILE).exists() or (out / "checkpoints").is_dir()
+    # A run killed before its first log row or checkpoint holds only its vocabulary.
+    is_run = holds_run(out) or (out / TOKENIZER_DIR).is_dir()
     if out.is_dir() and any(out.iterdir()) and not (opts.resume or opts.overwrite):
-        what = "holds a run" if holds_run else "already holds files"
+        what = "holds a run" if is_run else "already holds files"
         raise AttnlabError(f"--out {out} {what}: pass --resume to continue or --overwrite")
-    if opts.resume and out.is_dir() and not holds_run and any(out.iterdir()):
+    if opts.resume and out.is_dir() and not is_run and any(out.iterdir()):
         raise AttnlabError(f"--resume: {out} holds no pretraining run to resume")
 
 
 def run_tokenizer(opts: PretrainOptions, files: list[Path]) -> BertTokenizer:
     """The run's vocabulary: a resumed run's own, --tokenizer, --init's, or one trained now."""
     saved = opts.out / TOKENIZER_DIR
-    if opts.resume and (saved / "vocab.txt").is_file():
+    if opts.resume and has_checkpoint(opts.out):  # saved before the run's first step
         return BertTokenizer.from_dir(saved)
     if opts.tokenizer is not None:
         return BertTokenizer.from_dir(opts.tokenizer)
@@ -279,9 +282,11 @@ def run_tokenizer(opts: PretrainOptions, files: list[Path]) -> BertTokenizer:
 
 def _save_tokenizer(opts: PretrainOptions, tokenizer: BertTokenizer) -> None:
     saved = opts.out / TOKENIZER_DIR
-    if saved.exists() and opts.resume:
+    if opts.resume and has_checkpoint(opts.out):  # the run's own vocabulary stays
         return
-    if saved.exists():  # --overwrite: this run's vocabulary replaces the old run's
+    if opts.overwrite:  # the old run goes as a whole, before this one writes anything
+        clear_dir(opts.out)
+    elif saved.exists():  # a start killed before its first checkpoint: begin it again
         shutil.rmtree(saved)
     opts.out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(saved)

@@ -19,7 +19,6 @@ import dataclasses
 import json
 import math
 import random
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -33,7 +32,7 @@ from torch import nn
 from attnlab.config import TRANSFORMER_PRESETS, TransformerConfig
 from attnlab.decode import translate_batches
 from attnlab.errors import AttnlabError
-from attnlab.io import check_out_location, write_text_atomic, write_with_atomic
+from attnlab.io import check_out_location, clear_dir, write_text_atomic, write_with_atomic
 from attnlab.metrics import corpus_bleu
 from attnlab.models.seq2seq import Transformer
 from attnlab.text.bpe import BpeTokenizer, train_bpe_from_texts
@@ -54,12 +53,11 @@ from attnlab.train.distributed import (
     raise_together,
     shutdown_distributed,
 )
-from attnlab.train.trainer import CHECKPOINT_DIR, METRICS_FILE, TrainConfig, Trainer
+from attnlab.train.trainer import CHECKPOINT_DIR, METRICS_FILE, TrainConfig, Trainer, has_checkpoint
 
 MODEL_TYPE = "attnlab-transformer"  # config.json marker of a translation model directory
 CONFIG_FILE = "config.json"
 BEST_DIR = "best"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # Defaults of options left unset: a paper-like run on the user's data, or a quick one (about
 # a minute on 2 cores) of a 2-layer, d_model-128 model on the bundled sample.
 RUN_DEFAULTS: dict[str, Any] = {
@@ -285,7 +283,9 @@ def _paths(value: Any, name: str) -> list[Path]:
 
 def check_out_dir(opts: TranslateOptions) -> None:
     """Refuse an --out that holds files or another run, unless resuming or overwriting."""
-    check_out_location(opts.out)
+    # --overwrite replaces --out as a whole: an input inside it would go too.
+    inputs = [*opts.train, *opts.valid, opts.tokenizer] if opts.overwrite else []
+    check_out_location(opts.out, [p for p in inputs if p is not None])
     out = opts.out
     if out.exists() and not out.is_dir():
         raise AttnlabError(f"--out {out} exists and is not a directory")
@@ -349,7 +349,7 @@ def prepare(opts: TranslateOptions, from_out: bool = False) -> TranslationData:
     ``from_out`` (the other ranks, once rank 0 has written them).
     """
     train, valid, notes = read_data(opts)
-    if from_out or (opts.resume and (opts.out / CONFIG_FILE).is_file()):
+    if from_out or (opts.resume and has_checkpoint(opts.out)):
         tokenizer = BpeTokenizer.from_dir(opts.out)
         config = read_model_config(opts.out)
     else:
@@ -446,13 +446,15 @@ def average_checkpoints(paths: Sequence[Path]) -> dict[str, torch.Tensor]:
 
 
 def _write_run_files(opts: TranslateOptions, data: TranslationData) -> None:
-    """Start --out: clear an overwritten run's model files, save config and vocabulary."""
+    """Start --out: clear an overwritten run (as a whole), save config and vocabulary.
+
+    A resumed run keeps its own files once it has a checkpoint; before that (a start killed
+    early) they are written again.
+    """
     out = opts.out
     if opts.overwrite:
-        for name in (MODEL_FILE, CONFIG_FILE, *TOKENIZER_FILES):
-            (out / name).unlink(missing_ok=True)
-        shutil.rmtree(out / BEST_DIR, ignore_errors=True)
-    if not (opts.resume and (out / CONFIG_FILE).is_file()):
+        clear_dir(out)
+    if not (opts.resume and has_checkpoint(out)):
         save_model_dir(out, data.config, data.tokenizer)
 
 

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from attnlab.cpu import has_bf16_matmul
 from attnlab.errors import AttnlabError
+from attnlab.io import remove_leftovers
 from attnlab.train.checkpoint import (
     capture_rng,
     latest_checkpoint,
@@ -57,6 +58,24 @@ from attnlab.train.optim import build_optimizer, build_scheduler
 CHECKPOINT_DIR = "checkpoints"
 Evaluate = Callable[[nn.Module], dict[str, float]]
 OnBest = Callable[[nn.Module, dict[str, float]], None]
+
+
+# What a resumed run should share with its checkpoint (steps, logging and checkpointing may
+# change: a run is often resumed to train longer).
+RESUMED_SETTINGS = (
+    "lr", "warmup", "schedule", "optimizer", "weight_decay", "betas", "eps", "grad_accum",
+    "clip_norm", "precision", "seed",
+)  # fmt: skip
+
+
+def holds_run(out: Path) -> bool:
+    """Whether out holds a training run's log or checkpoints (something --resume continues)."""
+    return (out / METRICS_FILE).exists() or (out / CHECKPOINT_DIR).is_dir()
+
+
+def has_checkpoint(out: Path) -> bool:
+    """Whether out holds a complete checkpoint: only then does --resume reuse the run's files."""
+    return latest_checkpoint(out / CHECKPOINT_DIR) is not None
 
 
 def _resolve_device(name: str, local_rank: int) -> torch.device:
@@ -414,6 +433,11 @@ class Trainer:
                     (out / name).unlink(missing_ok=True)
                 self.log = MetricsLog(out / METRICS_FILE)
             remove_partial(root)
+            # Temp files and trash of writes a kill interrupted: in out and one level below
+            # (the best model's folder, a staged final model), never in the checkpoints.
+            if out.is_dir():
+                for folder in [out, *(p for p in out.iterdir() if p.is_dir() and p != root)]:
+                    remove_leftovers(folder)
             # Rows past the checkpoint are redone by this run: drop them so the file ends up
             # as an uninterrupted run's.
             self.log.truncate_after(self.step)
@@ -449,6 +473,11 @@ class Trainer:
             self.last_checkpoint = path
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise AttnlabError(f"checkpoint {path} does not fit this run ({exc})") from exc
+        saved, now = state.get("config") or {}, self.config.to_dict()
+        changed = [k for k in RESUMED_SETTINGS if k in saved and saved[k] != now[k]]
+        if changed and self.is_main:  # the checkpoint's optimiser and schedule state go on
+            differ = ", ".join(f"{k} {now[k]!r} (checkpoint: {saved[k]!r})" for k in changed)
+            print(f"warning: resuming {path} with other settings: {differ}", file=sys.stderr)
 
     def _save(self) -> None:
         """Checkpoint the run as out_dir/checkpoints/step-<step> (rank 0 writes; all ranks wait)."""
