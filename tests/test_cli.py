@@ -622,6 +622,7 @@ CONFIG_PROBLEMS = {
     ),
     "bool-size": (make_typed_wrong(type_vocab_size=True), ("type_vocab_size must be an integer",)),
     "list-activation": (make_typed_wrong(hidden_act=["gelu"]), ("hidden_act ['gelu']",)),
+    "huge-size": (make_typed_wrong(intermediate_size=10**12), ("d_ff must be", "below 2**31")),
 }
 WEIGHT_PROBLEMS = {  # tokenize does not read weights
     "missing-weights": (make_missing_weights, ("no model.safetensors",)),
@@ -692,7 +693,8 @@ def test_embed_checks_the_model_before_waiting_for_stdin(monkeypatch, capsys, tm
     ],
 )
 def test_argparse_errors_are_one_line(cli, argv, fragment):
-    assert_one_error(*cli(*argv), fragment)
+    line = assert_one_error(*cli(*argv), fragment)
+    assert not line.startswith("attnlab: error: attnlab")  # the prefix once
 
 
 def _threads_argv(command: str, tiny_dir: Path, tmp_path: Path) -> list:
@@ -721,8 +723,8 @@ def test_threads_option_is_accepted_by_every_command(cli, tiny_dir, tmp_path, co
     assert torch.get_num_threads() == 1
 
 
-@pytest.mark.parametrize("value", ["0", "-3"])
-def test_threads_below_one_is_refused(cli, tiny_dir, value):
+@pytest.mark.parametrize("value", ["0", "-3", "1025", "2147483648"])
+def test_threads_out_of_range_is_refused(cli, tiny_dir, value):
     assert_one_error(*cli("info", "--model", tiny_dir, "--threads", value), "--threads")
 
 
@@ -794,3 +796,28 @@ def test_process_error_exits_2_with_one_line(processes, name, fragment):
     assert_one_error(code, out, err, fragment)
     if name == "corpus":
         assert os.listdir(cwd) == ["corpus.txt"]  # no --out, no stage left behind
+
+
+def test_export_refuses_a_fine_tuned_model_whose_head_it_would_drop(cli, tiny_dir, tmp_path):
+    model = tmp_path / "clf"
+    link_files(tiny_dir, model, ("model.safetensors", *TOKENIZER_FILES))
+    _copy_config(tiny_dir, model, architectures=["BertForSequenceClassification"])
+    result = cli("export", "--model", model, "--out", tmp_path / "out")
+    assert_one_error(*result, "fine-tuned classify model")
+    assert not (tmp_path / "out").exists()
+
+
+def test_tokenizer_train_refuses_a_vocabulary_too_large_to_allocate(cli, corpus, tmp_path):
+    for size in ("20000000", "99999999999999999999"):
+        result = cli("tokenizer", "train", corpus, "--vocab-size", size, "--out", tmp_path / "t")
+        assert_one_error(*result, "--vocab-size must be at most")
+    assert_one_error(*cli("tokenizer", "train", tmp_path, "--out", tmp_path / "t"),
+                     "is a directory")  # fmt: skip
+
+
+def test_bleu_tokenizer_that_cannot_run_is_named():
+    from attnlab.errors import AttnlabError
+    from attnlab.metrics import bleu_metric
+
+    with pytest.raises(AttnlabError, match=r"BLEU tokenizer 'ja-mecab' cannot run here: .*install"):
+        bleu_metric("ja-mecab")  # sacreBLEU's extra for Japanese is not a dependency here

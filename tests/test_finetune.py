@@ -618,3 +618,26 @@ def test_resume_before_the_first_log_row_or_into_a_new_out(tiny_dir, tmp_path, c
     code, _, err = run(capsys, *args, "--resume", "--save-every", "1")
     assert code == 0, err
     assert (out / "model.safetensors").read_bytes() == final  # resumed from step 1 exactly
+
+
+def test_unscorable_dev_and_predictions_onto_inputs_are_refused_first(tiny_dir, tmp_path, capsys):
+    # A QA dev question without a gold answer was found at the first dev score, after training.
+    squad = json.loads((DATA / "squad.json").read_text())
+    squad["data"][0]["paragraphs"][0]["qas"][0]["answers"] = []
+    dev = write(tmp_path / "dev.json", json.dumps(squad))
+    args = finetune_args(tiny_dir, DATA / "squad.json", tmp_path / "qa", "--dev", dev)
+    args[2] = "qa"
+    result = run(capsys, *args, "--max-length", "128", "--doc-stride", "32")
+    assert_one_error(result, "has no gold answer to score against")
+    assert not (tmp_path / "qa").exists()
+    assert_one_error(run(capsys, "finetune", "--task", "classify", "--model", tiny_dir,
+                         "--train", tmp_path, "--out", tmp_path / "o"), "is a directory")  # fmt: skip
+    model = tmp_path / "clf"
+    args = finetune_args(tiny_dir, DATA / "sentiment.tsv", model, "--text-column", "sentence")
+    assert run(capsys, *args)[0] == 0
+    data = write(tmp_path / "in.tsv", (DATA / "sentiment_dev.tsv").read_text())
+    for output in (data, model / "config.json"):
+        result = run(capsys, "predict", "--model", model, "--input", data, "--output", output,
+                     "--overwrite")  # fmt: skip
+        assert_one_error(result, "would replace the input")
+    assert data.read_text() == (DATA / "sentiment_dev.tsv").read_text()

@@ -481,3 +481,41 @@ def test_resume_cleans_leftovers_and_warns_of_changed_settings(corpus, tmp_path,
     left = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
     assert left == [] and (out / "notes.txt").read_text() == "mine"
     assert not (out / "final.tmp").exists()
+
+
+def test_config_file_nulls_threads_formats_and_its_place(corpus, tmp_path, capsys):
+    import argparse
+
+    import torch
+
+    from attnlab.cli import build_parser, options_from
+    from attnlab.tasks.pretrain import PretrainOptions
+
+    def options(text: str, name: str, *flags: str) -> PretrainOptions:
+        (tmp_path / name).write_bytes(text.encode("utf-8-sig"))  # a BOM, as some editors write
+        argv = ["pretrain", "--config", str(tmp_path / name), "--out", str(tmp_path / "o"), *flags]
+        args: argparse.Namespace = build_parser().parse_args(argv)
+        return options_from(PretrainOptions, args, ("out",), ("out",))
+
+    before = torch.get_num_threads()
+    try:
+        # null means "not given" (it gave a TypeError); threads applies; JSON and .YAML are YAML
+        opts = options("save_every: null\nthreads: 1\nsteps: 7\n", "run.YAML")
+        assert opts.save_every == PretrainOptions(out=tmp_path).save_every and opts.steps == 7
+        assert torch.get_num_threads() == 1
+        assert options('{"steps": 5, "lr": 2e-4}', "run.json").lr == 2e-4
+    finally:
+        torch.set_num_threads(before)
+    (tmp_path / "bad.toml").write_text("eval_examples = -5\n")
+    assert "eval_examples must be >= 0" in _error(
+        ["pretrain", "--config", str(tmp_path / "bad.toml"), "--out", str(tmp_path / "o")], capsys
+    )
+    # --overwrite replaces --out as a whole: a config file inside it is refused
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.toml").write_text(f'corpus = "{corpus}"\n')
+    message = _error(["pretrain", "--config", str(run / "run.toml"), "--out", str(run),
+                      "--overwrite"], capsys)  # fmt: skip
+    assert "holds the input" in message and (run / "run.toml").is_file()
+    assert "--seq-len >= 8" in _error(["bench", "pretrain", "--preset", "bert-tiny",
+                                        "--seq-len", "3"], capsys)  # fmt: skip

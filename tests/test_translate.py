@@ -252,7 +252,8 @@ def test_refused_options_leave_an_existing_run_and_a_new_out_as_they_were(run_di
     # model) before the trainer's settings were checked.
     out = run_dir[0]
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    for extra in (["--lr", 0], ["--warmup", 0], ["--keep-last", -1], ["--lr", "inf"]):
+    for extra in (["--lr", 0], ["--warmup", 0], ["--keep-last", -1], ["--lr", "inf"],
+                  ["--eval-beam", 2**63 - 1]):  # fmt: skip
         assert_one_error(*cli(*train_args(data, out, "--overwrite", *extra)), extra[0][2:])
         assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
         fresh = tmp_path / "fresh"
@@ -270,12 +271,13 @@ def test_empty_valid_files_are_refused_not_skipped(data, cli, tmp_path):
 @pytest.mark.parametrize(
     ("flags", "fragment"),
     [
-        (["--max-len-a", 0, "--max-len-b", 0], "not both 0"),
+        (["--max-len-a", 0, "--max-len-b", 0.5], "sum to at least 1"),
         (["--max-len-b", -5], "--max-len-a and --max-len-b"),
         (["--max-len-a", "inf"], "finite"),
         (["--length-penalty", "nan"], "--length-penalty"),
+        (["--beam", "9223372036854775807"], "--beam must be from 1 to 1024"),
     ],
-    ids=["both-zero", "negative", "infinite", "nan-penalty"],
+    ids=["below-one", "negative", "infinite", "nan-penalty", "huge-beam"],
 )
 def test_decoding_settings_that_give_no_output_are_refused(run_dir, cli, flags, fragment):
     assert_one_error(*cli("translate", "--model", run_dir[0], *flags, stdin="Hallo\n"), fragment)

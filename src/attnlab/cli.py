@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from attnlab.text.tokenizer import BertTokenizer
 
 EXIT_USAGE = 2
+MAX_THREADS = 1024  # OpenMP fails to start many more (and a million crashes the process)
 T = TypeVar("T")
 
 
@@ -30,7 +31,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (usage text stays available through --help)."""
 
     def error(self, message: str) -> NoReturn:
-        raise AttnlabError(f"{self.prog}: {message}")
+        command = self.prog.removeprefix("attnlab").strip()  # "attnlab: error:" comes first
+        raise AttnlabError(f"{command}: {message}" if command else message)
 
 
 def _say(message: str) -> None:
@@ -57,8 +59,8 @@ def _set_threads(args: argparse.Namespace) -> None:
     if getattr(args, "threads", None) is not None:  # 0 is an error, not "unset"
         import torch
 
-        if args.threads < 1:
-            raise AttnlabError("--threads must be at least 1")
+        if not 1 <= args.threads <= MAX_THREADS:
+            raise AttnlabError(f"--threads must be from 1 to {MAX_THREADS}, got {args.threads}")
         torch.set_num_threads(args.threads)
 
 
@@ -170,12 +172,18 @@ def cmd_embed(args: argparse.Namespace) -> None:
 
 def cmd_export(args: argparse.Namespace) -> None:
     """Write the model in HF transformers' layout to --out."""
-    from attnlab.interop.hf import load_bert, read_config, save_bert
+    from attnlab.interop.hf import checkpoint_task, load_bert, read_config, save_bert
     from attnlab.io import check_out_dir
     from attnlab.text.tokenizer import BertTokenizer
 
     check_out_dir(Path(args.out), args.overwrite, inputs=[args.model])
     read_config(Path(args.model))  # config problems first, as in _load
+    task = checkpoint_task(args.model)
+    if task is not None:  # export writes encoders and pretraining heads; it would drop this head
+        raise AttnlabError(
+            f"{args.model} is a fine-tuned {task} model, already in HF transformers' layout "
+            "(load it with from_pretrained): export writes BERT encoders and pretraining heads"
+        )
     model = load_bert(args.model, heads=_has_heads(args.model))
     tokenizer = BertTokenizer.from_dir(args.model)
     save_bert(model, args.out, tokenizer, overwrite=args.overwrite, require_hf=True)
@@ -236,15 +244,15 @@ def read_config_file(path: str) -> dict[str, object]:
     file = check_input_file(Path(path), "--config file")
     text = file.read_bytes()
     try:
-        if file.suffix in (".yaml", ".yml"):
-            data = _yaml_load(text.decode("utf-8"))
+        if file.suffix.lower() in (".yaml", ".yml", ".json"):  # JSON is YAML too
+            data = _yaml_load(text.decode("utf-8-sig"))
         else:
             try:
                 import tomllib
             except ImportError:  # Python 3.10
                 import tomli as tomllib
 
-            data = tomllib.loads(text.decode("utf-8"))
+            data = tomllib.loads(text.decode("utf-8-sig"))
     except UnicodeDecodeError:
         raise AttnlabError(f"{file} is not valid UTF-8") from None
     except Exception as err:  # the TOML and YAML parsers raise their own error types
@@ -266,7 +274,14 @@ def options_from(
     fields = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, object] = {}
     if args.config:
-        from_file = read_config_file(args.config)
+        # null in the file means "not given", as an absent flag does: the default applies
+        from_file = {k: v for k, v in read_config_file(args.config).items() if v is not None}
+        threads = from_file.pop("threads", None)  # the one option that is not the job's
+        if threads is not None and getattr(args, "threads", None) is None:
+            if not isinstance(threads, int) or isinstance(threads, bool):
+                raise AttnlabError(f"--config {args.config}: threads must be an integer")
+            args.threads = threads
+            _set_threads(args)
         for key, hint in typing.get_type_hints(cls).items():  # one file needs no list
             if typing.get_origin(hint) is list and isinstance(from_file.get(key), str):
                 from_file[key] = [from_file[key]]
@@ -282,6 +297,10 @@ def options_from(
     for key in paths:
         if values.get(key) is not None:
             values[key] = Path(str(values[key]))
+    if args.config and values.get("overwrite") and values.get("out") is not None:
+        from attnlab.io import check_out_location  # --overwrite replaces --out as a whole
+
+        check_out_location(Path(str(values["out"])), [args.config])
     if "corpus" in fields:  # pretrain, distill; finetune reads --train/--dev instead
         if isinstance(values.get("corpus"), (str, Path)):
             values["corpus"] = [values["corpus"]]
@@ -438,9 +457,10 @@ def cmd_translate_train(args: argparse.Namespace) -> None:
 
 def cmd_translate_score(args: argparse.Namespace) -> None:
     """Translate --src and print sacreBLEU against --ref as one JSON line."""
-    from attnlab.metrics import corpus_bleu
+    from attnlab.metrics import bleu_metric, corpus_bleu
     from attnlab.tasks.translate import load_translation_model
 
+    bleu_metric(args.tokenize)  # a tokenizer that cannot run is said before the translating
     model, tokenizer = load_translation_model(args.model)
     sources, references = read_lines(args.src), read_lines(args.ref)
     if len(sources) != len(references):

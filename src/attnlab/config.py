@@ -164,8 +164,8 @@ class BertConfig(_JsonConfig):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_positions"):
             value = getattr(self, name)
             _check(
-                isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                f"config: {name} must be a positive integer, got {value!r}",
+                isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**31,
+                f"config: {name} must be a positive integer below 2**31, got {value!r}",
             )
         _check(
             isinstance(self.type_vocab_size, int) and self.type_vocab_size >= 1,
@@ -296,8 +296,8 @@ class TransformerConfig(_JsonConfig):
         ):
             value = getattr(self, name)
             _check(
-                isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                f"config: {name} must be a positive integer, got {value!r}",
+                isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**31,
+                f"config: {name} must be a positive integer below 2**31, got {value!r}",
             )
         _check(
             self.d_model % self.n_heads == 0,

@@ -93,11 +93,16 @@ def check_out_location(out: Path, inputs: Sequence[str | Path] = ()) -> None:
         raise AttnlabError(f"--out {out} cannot be made: {above} is a file, not a directory")
 
 
-def check_output_file(output: Path, overwrite: bool = False) -> Path:
-    """output, if a file may go there: not a directory or below a file; existing only if overwrite."""
+def check_output_file(
+    output: Path, overwrite: bool = False, inputs: Sequence[str | Path] = ()
+) -> Path:
+    """output, if a file may go there: no directory, input or file within one; existing if overwrite."""
     output = Path(output)
     if output.is_dir():
         raise AttnlabError(f"--output {output} is a directory: name a file")
+    for source in map(Path, inputs):
+        if source.exists() and source.resolve() in (output.resolve(), *output.resolve().parents):
+            raise AttnlabError(f"--output {output} would replace the input {source}")
     above = next((p for p in output.parents if p.exists()), None)
     if above is not None and not above.is_dir():
         raise AttnlabError(f"--output {output} cannot be made: {above} is a file, not a directory")

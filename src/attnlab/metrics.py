@@ -24,6 +24,7 @@ import warnings
 from collections import Counter
 from collections.abc import Sequence
 from difflib import SequenceMatcher
+from typing import Any
 
 import numpy as np
 
@@ -235,12 +236,26 @@ def squad_metrics(
 # ---- translation ------------------------------------------------------------------------
 
 
+def bleu_metric(tokenize: str = "13a") -> Any:
+    """sacreBLEU's BLEU with this tokenizer, or a one-line reason it cannot be had here."""
+    from sacrebleu.metrics import BLEU
+
+    try:
+        return BLEU(tokenize=tokenize)
+    except KeyError:  # sacreBLEU's answer to an unknown tokenizer name
+        raise AttnlabError(
+            f"unknown BLEU tokenizer {tokenize!r} (sacreBLEU has {', '.join(BLEU.TOKENIZERS)})"
+        ) from None
+    except Exception as err:  # one it knows but cannot load (ja-mecab without MeCab, say)
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        hint = f": {' '.join(lines)}" if lines else ""
+        raise AttnlabError(f"BLEU tokenizer {tokenize!r} cannot run here{hint}") from None
+
+
 def corpus_bleu(
     hypotheses: Sequence[str], references: Sequence[str], tokenize: str = "13a"
 ) -> dict:
     """sacreBLEU of detokenized hypotheses against one reference each: score, signature, details."""
-    from sacrebleu.metrics import BLEU
-
     if len(hypotheses) != len(references):
         raise AttnlabError(
             f"{len(hypotheses)} translations but {len(references)} references: "
@@ -248,14 +263,7 @@ def corpus_bleu(
         )
     if not references:
         raise AttnlabError("no sentences to score: the files are empty")
-    try:
-        bleu = BLEU(tokenize=tokenize)
-    except KeyError:  # sacreBLEU's answer to an unknown tokenizer name
-        raise AttnlabError(
-            f"unknown BLEU tokenizer {tokenize!r} (sacreBLEU has {', '.join(BLEU.TOKENIZERS)})"
-        ) from None
-    except Exception as err:  # one it knows but cannot load (ja-mecab without MeCab, say)
-        raise AttnlabError(f"sacreBLEU: {str(err).splitlines()[0]}") from None
+    bleu = bleu_metric(tokenize)
     result = bleu.corpus_score(list(hypotheses), [list(references)])
     return {
         "bleu": result.score,

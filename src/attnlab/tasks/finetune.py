@@ -507,6 +507,14 @@ def qa_language(settings: dict[str, Any], examples: Sequence[Any]) -> str:
     return "zh" if text and cjk / len(text) > 0.3 else "en"
 
 
+def check_scorable(task: str, examples: Sequence[Any], path: Path) -> None:
+    """Refuse a labelled QA file with a question that has no gold answer (SQuAD v1.1 scores)."""
+    if task == "qa":
+        bare = next((e.id for e in examples if not (e.answers or e.other_answers)), None)
+        if bare is not None:
+            raise AttnlabError(f"{path}: question {bare!r} has no gold answer to score against")
+
+
 def evaluation(
     data: TaskData,
     labels: task_data.LabelSet | None,
@@ -632,6 +640,7 @@ def prepare(opts: FinetuneOptions) -> FinetuneRun:
     evaluate = None
     if opts.dev is not None:
         dev = read_examples(opts.task, opts.dev, {**settings, "_scoring": True}, labelled=True)
+        check_scorable(opts.task, dev, opts.dev)  # now, not at the first dev score
         dev_data = featurise(opts.task, tokenizer, dev, labels, settings, opts.dev)
         evaluate = evaluation(dev_data, labels, settings, tokenizer.pad_id, opts.eval_batch_size)
     batches = LengthGroupedBatches(train_data.rows, opts.batch_size, tokenizer.pad_id, opts.seed)
@@ -803,6 +812,7 @@ def evaluate_file(
     settings = {**loaded.settings, "_scoring": True}
     path = Path(data)
     examples = read_examples(settings["task"], path, settings, labelled=True)
+    check_scorable(settings["task"], examples, path)
     features = featurise(
         settings["task"], loaded.tokenizer, examples, loaded.labels, settings, path
     )
@@ -820,7 +830,7 @@ def predict_file(
     batch_size: int = 64,
 ) -> int:
     """Write predictions for an (unlabelled) input file; returns how many examples."""
-    output = check_output_file(Path(output_path), overwrite)
+    output = check_output_file(Path(output_path), overwrite, inputs=[input_path, model_dir])
     loaded = load_finetuned(model_dir, task, overrides)
     settings = {**loaded.settings, "_scoring": True}
     task = settings["task"]

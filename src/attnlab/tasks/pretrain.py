@@ -248,6 +248,11 @@ class PretrainOptions(RunOptions):
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "vocab_size"):
             if getattr(self, name) < 1:
                 raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("eval_documents", "eval_examples"):  # 0: no held-out evaluation
+            if getattr(self, name) < 0:
+                raise AttnlabError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.init is None and self.preset not in BertConfig.presets():  # before tokenizing
+            BertConfig.preset(self.preset)  # raises, naming the presets
 
 
 def check_out_dir(opts: PretrainOptions) -> None:
@@ -366,7 +371,12 @@ def prepare_data(
         builder, collator, opts.batch_size, opts.grad_accum, opts.seed, opts.static_masking
     )
     evaluate = None
-    if eval_view is not None and (eval_view.n_documents >= 2 or opts.objective != "mlm+nsp"):
+    wanted = opts.eval_examples > 0
+    if (
+        wanted
+        and eval_view is not None
+        and (eval_view.n_documents >= 2 or opts.objective != "mlm+nsp")
+    ):
         eval_builder = ExampleBuilder(
             eval_view, tokenizer.cls_id, tokenizer.sep_id, opts.seq_len, opts.objective, seed=12345
         )
@@ -512,8 +522,11 @@ def bench_pretraining(
     """Time `steps` training steps of a preset on synthetic data (after 2 warm-up steps)."""
     from attnlab.train.optim import build_optimizer
 
-    if steps < 1 or batch_size < 1 or seq_len < 3:
-        raise AttnlabError("--steps and --batch-size must be >= 1 and --seq-len >= 3")
+    if not (steps >= 1 and 1 <= batch_size <= 2**20 and seq_len >= 8):
+        raise AttnlabError(
+            "--steps must be >= 1, --batch-size from 1 to 2**20 and --seq-len >= 8 (room for "
+            "masked positions)"
+        )
     torch.manual_seed(0)
     config = BertConfig.preset(preset)
     if seq_len > config.max_positions:

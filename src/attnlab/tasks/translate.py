@@ -58,6 +58,7 @@ from attnlab.train.trainer import CHECKPOINT_DIR, METRICS_FILE, TrainConfig, Tra
 MODEL_TYPE = "attnlab-transformer"  # config.json marker of a translation model directory
 CONFIG_FILE = "config.json"
 BEST_DIR = "best"
+MAX_BEAM = 1024  # beyond any useful search; a larger one only runs out of memory
 # Defaults of options left unset: a paper-like run on the user's data, or a quick one (about
 # a minute on 2 cores) of a 2-layer, d_model-128 model on the bundled sample.
 RUN_DEFAULTS: dict[str, Any] = {
@@ -166,13 +167,14 @@ def translate_lines(
     ``workers`` batches decode at once, sharing the torch threads (decode.py: map_batches);
     None: one per thread on CPU, 1 on a GPU.
     """
-    if beam < 1 or batch_size < 1:
-        raise AttnlabError("--beam and --batch-size must be at least 1")
+    if not 1 <= beam <= MAX_BEAM or batch_size < 1:
+        raise AttnlabError(f"--beam must be from 1 to {MAX_BEAM} and --batch-size at least 1")
     if workers is not None and workers < 1:
         raise AttnlabError("--workers must be at least 1")
-    if not (0 <= max_len_a < math.inf and 0 <= max_len_b < math.inf and max_len_a + max_len_b > 0):
+    # A one-token source must be allowed one output token: a + b >= 1.
+    if not (0 <= max_len_a < math.inf and 0 <= max_len_b < math.inf and max_len_a + max_len_b >= 1):
         raise AttnlabError(
-            f"--max-len-a and --max-len-b must be finite, >= 0 and not both 0 "
+            f"--max-len-a and --max-len-b must be finite, >= 0 and sum to at least 1 "
             f"(got {max_len_a}, {max_len_b})"
         )
     if not math.isfinite(length_penalty):
@@ -262,6 +264,8 @@ class TranslateOptions(RunOptions):
         for name in ("vocab_size", "max_tokens", "grad_accum", "average_last", "eval_beam"):
             if getattr(self, name) < 1:
                 raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.eval_beam > MAX_BEAM:
+            raise AttnlabError(f"--eval-beam must be at most {MAX_BEAM}, got {self.eval_beam}")
         if self.steps < 1:
             raise AttnlabError("--steps must be at least 1")
         if self.eval_every < 0 or self.save_every < 0:
@@ -526,12 +530,14 @@ def train_translation(
     if rank == 0:
         for note in data.messages:
             say(note)
+        torch.manual_seed(opts.seed)  # the initial weights are part of the run
+        model = Transformer(data.config)  # a model too large for memory fails before any write
         _write_run_files(opts, data)
     barrier()
     if rank != 0:
         data = prepare(opts, from_out=True)
-    torch.manual_seed(opts.seed)  # the initial weights are part of the run
-    model = Transformer(data.config)
+        torch.manual_seed(opts.seed)
+        model = Transformer(data.config)
     evaluate = evaluation(data, opts.max_tokens, opts.eval_sentences, opts.eval_beam)
     if evaluate is None:
         config = dataclasses.replace(config, best_metric=None)

@@ -21,8 +21,8 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, trainers
 
 from attnlab.errors import AttnlabError
-from attnlab.io import write_text_atomic
-from attnlab.text.tokenizer import _corpus_batches
+from attnlab.io import check_input_file, write_text_atomic
+from attnlab.text.tokenizer import MAX_TRAINED_VOCAB, _corpus_batches
 
 PAD, SOS, EOS, UNK = "<pad>", "<sos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, SOS, EOS, UNK)  # the order fixes their ids 0..3
@@ -139,8 +139,7 @@ def train_bpe(files: list[str | Path], vocab_size: int, min_frequency: int = 2) 
     if not paths:
         raise AttnlabError("train_bpe needs at least one text file")
     for path in paths:
-        if not path.is_file():
-            raise AttnlabError(f"corpus file {path} not found")
+        check_input_file(path, "corpus file")
     seen_text = False
 
     def batches() -> Iterator[list[str]]:
@@ -174,6 +173,8 @@ def _train(batches: Iterable[list[str]], vocab_size: int, min_frequency: int) ->
         raise AttnlabError(
             f"vocab_size must be at least {len(SPECIAL_TOKENS) + 2}, got {vocab_size}"
         )
+    if vocab_size > MAX_TRAINED_VOCAB:  # tokenizers allocates for it (and aborts when it cannot)
+        raise AttnlabError(f"--vocab-size must be at most {MAX_TRAINED_VOCAB:,}, got {vocab_size}")
     backend = tokenizers.Tokenizer(models.BPE(unk_token=UNK))
     # The same normalizer and pre-tokenizer as BpeTokenizer installs: merges are learnt on
     # exactly the pieces they will later be applied to.

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from attnlab.errors import AttnlabError
+from attnlab.io import check_input_file
 from attnlab.text.tokenizer import UNK, BertTokenizer
 
 # Label id that PyTorch's cross-entropy ignores: special tokens and non-first sub-tokens.
@@ -43,11 +44,8 @@ _SHOWN_LABELS = 20  # an unknown-label error lists at most this many known ones
 
 
 def _existing_file(path: str | Path) -> Path:
-    """`path` as a Path, or AttnlabError when there is no such file."""
-    path = Path(path)
-    if not path.is_file():
-        raise AttnlabError(f"{path} not found")
-    return path
+    """`path` as a Path, or AttnlabError when there is no such file (or it is a directory)."""
+    return check_input_file(Path(path))
 
 
 def _lines(path: Path) -> Iterator[str]:

@@ -30,7 +30,7 @@ from tokenizers import (
 )
 
 from attnlab.errors import AttnlabError
-from attnlab.io import write_text_atomic
+from attnlab.io import check_input_file, write_text_atomic
 
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 # The order also fixes the ids of a newly trained vocabulary: [PAD]=0 ... [MASK]=4.
@@ -417,6 +417,9 @@ def _config_value(config: dict, key: str, default: bool | None, path: Path) -> b
 # ---- training ---------------------------------------------------------------------------
 
 
+MAX_TRAINED_VOCAB = 10_000_000  # far above any real vocabulary (BERT's 30k, XLM-R's 250k)
+
+
 def train_wordpiece(
     files: list[str | Path],
     vocab_size: int,
@@ -437,9 +440,10 @@ def train_wordpiece(
     if not paths:
         raise AttnlabError("train_wordpiece needs at least one corpus file")
     for path in paths:
-        if not path.is_file():
-            raise AttnlabError(f"corpus file {path} not found")
+        check_input_file(path, "corpus file")
     _check_max_length(vocab_size, "vocab_size", minimum=len(SPECIAL_TOKENS) + 2)
+    if vocab_size > MAX_TRAINED_VOCAB:  # tokenizers allocates for it (and aborts when it cannot)
+        raise AttnlabError(f"--vocab-size must be at most {MAX_TRAINED_VOCAB:,}, got {vocab_size}")
 
     backend = tokenizers.Tokenizer(
         models.WordPiece(unk_token=UNK, max_input_chars_per_word=MAX_INPUT_CHARS_PER_WORD)
