@@ -519,3 +519,17 @@ def test_config_file_nulls_threads_formats_and_its_place(corpus, tmp_path, capsy
     assert "holds the input" in message and (run / "run.toml").is_file()
     assert "--seq-len >= 8" in _error(["bench", "pretrain", "--preset", "bert-tiny",
                                         "--seq-len", "3"], capsys)  # fmt: skip
+
+
+def test_init_with_shape_flags_is_refused_not_ignored(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    args = ["pretrain", "--corpus", str(corpus), "--out", str(out), *TINY, "--steps", "1", *cache]
+    assert main(args) == 0
+    small = ["--batch-size", "8", "--seq-len", "32", "--steps", "1", *cache]
+    message = _error(["pretrain", "--corpus", str(corpus), "--out", str(tmp_path / "two"),
+                      "--init", str(out), "--preset", "bert-base", "--position-encoding", "rope",
+                      *small], capsys)  # fmt: skip
+    assert "drop --preset, --position-encoding" in message
+    assert main(["pretrain", "--corpus", str(corpus), "--out", str(tmp_path / "two"),
+                 "--init", str(out), *small]) == 0  # fmt: skip

@@ -215,7 +215,7 @@ class PretrainOptions(RunOptions):
 
     out: Path
     corpus: list[Path] = field(default_factory=list)
-    preset: str = "bert-mini"
+    preset: str | None = None  # None: bert-mini (or --init's sizes)
     objective: str = "mlm+nsp"
     steps: int = 1000
     batch_size: int = 32
@@ -232,7 +232,7 @@ class PretrainOptions(RunOptions):
     tokenizer: Path | None = None
     vocab_size: int = 8000
     init: Path | None = None
-    position_encoding: str = "learned"
+    position_encoding: str | None = None  # None: learned (BERT's)
     embedding_size: int | None = None
     share_layers: bool = False
     dropout: float | None = None  # None: the preset's 0.1 (hidden and attention dropout)
@@ -251,8 +251,16 @@ class PretrainOptions(RunOptions):
         for name in ("eval_documents", "eval_examples"):  # 0: no held-out evaluation
             if getattr(self, name) < 0:
                 raise AttnlabError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.init is None and self.preset not in BertConfig.presets():  # before tokenizing
-            BertConfig.preset(self.preset)  # raises, naming the presets
+        if self.init is None and self.preset not in (None, *BertConfig.presets()):
+            BertConfig.preset(self.preset)  # raises, naming the presets (before tokenizing)
+        shape = {"--preset": self.preset, "--position-encoding": self.position_encoding,
+                 "--embedding-size": self.embedding_size, "--dropout": self.dropout,
+                 "--share-layers": self.share_layers or None}  # fmt: skip
+        given = [flag for flag, value in shape.items() if value is not None]
+        if self.init is not None and given:  # they would be ignored in silence
+            raise AttnlabError(
+                f"--init takes the model's shape from its checkpoint: drop {', '.join(given)}"
+            )
 
 
 def check_out_dir(opts: PretrainOptions) -> None:
@@ -313,10 +321,10 @@ def build_model(opts: PretrainOptions, tokenizer: BertTokenizer) -> BertForPreTr
             model.nsp, model.bert.pooler = None, None
         return model.train()
     config = BertConfig.preset(
-        opts.preset,
+        opts.preset or "bert-mini",
         vocab_size=tokenizer.vocab_size,
         pad_token_id=tokenizer.pad_id,
-        position_encoding=opts.position_encoding,
+        position_encoding=opts.position_encoding or "learned",
         embedding_size=opts.embedding_size,
         share_layers=opts.share_layers,
     )
