@@ -94,17 +94,22 @@ def link_files(source: Path, target: Path, names: tuple[str, ...]) -> None:
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json")
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, minilm_dir: Path) -> Path:
+def save_tiny(folder: Path, minilm_dir: Path, heads: bool = False) -> Path:
     """A random bert-tiny (2 layers, d_model 128, 32 positions) with MiniLM's vocabulary."""
     tokenizer = BertTokenizer.from_vocab(minilm_dir / "vocab.txt")
     torch.manual_seed(0)
     config = BertConfig.preset(
         "bert-tiny", vocab_size=tokenizer.vocab_size, max_positions=TINY_MAX_POSITIONS
     )
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    save_bert(BertModel(config), out, tokenizer)
-    return out
+    model = BertForPreTraining(config) if heads else BertModel(config)
+    save_bert(model.eval(), folder / "model", tokenizer)
+    return folder / "model"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, minilm_dir: Path) -> Path:
+    """save_tiny's encoder."""
+    return save_tiny(tmp_path_factory.mktemp("tiny"), minilm_dir)
 
 
 @pytest.fixture(scope="module")
@@ -496,15 +501,8 @@ def test_json_results_hold_null_where_a_number_is_not_finite(capsys):
 
 @pytest.fixture(scope="module")
 def tiny_mlm_dir(tmp_path_factory, minilm_dir: Path) -> Path:
-    """tiny_dir's sizes with masked-LM and next-sentence heads (random weights)."""
-    tokenizer = BertTokenizer.from_vocab(minilm_dir / "vocab.txt")
-    torch.manual_seed(0)
-    config = BertConfig.preset(
-        "bert-tiny", vocab_size=tokenizer.vocab_size, max_positions=TINY_MAX_POSITIONS
-    )
-    out = tmp_path_factory.mktemp("tiny-mlm") / "model"
-    save_bert(BertForPreTraining(config).eval(), out, tokenizer)
-    return out
+    """save_tiny's sizes with masked-LM and next-sentence heads (random weights)."""
+    return save_tiny(tmp_path_factory.mktemp("tiny-mlm"), minilm_dir, heads=True)
 
 
 def test_fill_mask_refuses_an_encoder_without_its_masked_lm_head(cli, tiny_dir):
