@@ -641,3 +641,12 @@ def test_unscorable_dev_and_predictions_onto_inputs_are_refused_first(tiny_dir, 
                      "--overwrite")  # fmt: skip
         assert_one_error(result, "would replace the input")
     assert data.read_text() == (DATA / "sentiment_dev.tsv").read_text()
+
+
+def test_the_task_may_come_from_the_config_file(tiny_dir, tmp_path, capsys):
+    config = write(tmp_path / "ft.toml", 'task = "classify"\ntext_column = "sentence"\n')
+    args = finetune_args(tiny_dir, DATA / "sentiment.tsv", tmp_path / "out", "--config", config)
+    del args[1:3]  # no --task flag
+    code, _, err = run(capsys, *args)
+    assert code == 0, err
+    assert_one_error(run(capsys, *args[:-2], "--out", tmp_path / "o2"), "needs --task")

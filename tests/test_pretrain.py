@@ -152,6 +152,7 @@ def test_two_processes_equal_one(corpus, vocab, tmp_path):
         capture_output=True, text=True, env=env,
     )  # fmt: skip
     assert two.returncode == 0, two.stderr[-3000:]
+    assert len(two.stdout.splitlines()) == 1  # the result once, from rank 0
     a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
     for name in a:
         assert torch.allclose(a[name], b[name], atol=1e-5), name

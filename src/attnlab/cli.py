@@ -55,6 +55,13 @@ def _print_json(result: dict) -> None:
     print(json.dumps(_finite(result), default=str, ensure_ascii=False, allow_nan=False))
 
 
+def _main_process() -> bool:
+    """False in torchrun's other processes: a training job's result is printed once."""
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _set_threads(args: argparse.Namespace) -> None:
     if getattr(args, "threads", None) is not None:  # 0 is an error, not "unset"
         import torch
@@ -293,7 +300,7 @@ def options_from(
         raise AttnlabError(f"--config: unknown option(s) {', '.join(unknown)}")
     for key in required:
         if key not in values:
-            raise AttnlabError(f"{args.command} needs --{key} DIR (or '{key}' in --config)")
+            raise AttnlabError(f"{args.command} needs --{key} (or '{key}' in --config)")
     for key in paths:
         if values.get(key) is not None:
             values[key] = Path(str(values[key]))
@@ -319,8 +326,9 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
         PretrainOptions, args, ("out",), ("out", "tokenizer", "init", "cache_dir")
     )
     summary = pretrain(options)
-    _print_json({k: v for k, v in summary.items() if k != "checkpoint"})
-    _say(f"pretrained model written to {options.out}")
+    if _main_process():
+        _print_json({k: v for k, v in summary.items() if k != "checkpoint"})
+        _say(f"pretrained model written to {options.out}")
 
 
 def cmd_fill_mask(args: argparse.Namespace) -> None:
@@ -352,8 +360,9 @@ def cmd_distill(args: argparse.Namespace) -> None:
         DistillOptions, args, ("teacher", "out"), ("teacher", "out", "cache_dir")
     )
     summary = distill(options)
-    _print_json({k: v for k, v in summary.items() if k != "checkpoint"})
-    _say(f"distilled student written to {options.out}")
+    if _main_process():
+        _print_json({k: v for k, v in summary.items() if k != "checkpoint"})
+        _say(f"distilled student written to {options.out}")
 
 
 def cmd_finetune(args: argparse.Namespace) -> None:
@@ -361,12 +370,13 @@ def cmd_finetune(args: argparse.Namespace) -> None:
     from attnlab.tasks.finetune import FinetuneOptions, finetune
 
     options = options_from(
-        FinetuneOptions, args, ("model", "train", "out"), ("model", "train", "dev", "out")
+        FinetuneOptions, args, ("task", "model", "train", "out"), ("model", "train", "dev", "out")
     )
     results = finetune(options)["results"]
-    _print_json(results)
-    kept = results["best"] or results["final"]
-    _say(f"fine-tuned model ({results['kept']}, step {kept['step']}) written to {options.out}")
+    if _main_process():
+        _print_json(results)
+        kept = results["best"] or results["final"]
+        _say(f"fine-tuned model ({results['kept']}, step {kept['step']}) written to {options.out}")
 
 
 def _data_overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -449,6 +459,8 @@ def cmd_translate_train(args: argparse.Namespace) -> None:
 
     options = options_from(TranslateOptions, args, ("out",), ("out", "tokenizer"))
     summary = train_translation(options, say=_say)
+    if not _main_process():
+        return
     _print_json({k: v for k, v in summary.items() if k != "checkpoint"})
     if summary.get("averaged_steps"):
         _say(f"final model = average of the checkpoints of steps {summary['averaged_steps']}")
@@ -672,7 +684,7 @@ def build_parser() -> argparse.ArgumentParser:
     tasks = ("classify", "regress", "ner", "qa")
     sub = command("finetune", cmd_finetune, "fine-tune BERT on classify/regress/ner/qa data")
     sub.add_argument("--config", help="TOML or YAML file with any of these options")
-    sub.add_argument("--task", required=True, choices=tasks)
+    sub.add_argument("--task", choices=tasks, help="classify, regress, ner or qa")
     sub.add_argument("--model", help="checkpoint to start from (attnlab or HF BERT)")
     sub.add_argument("--train", help="training file: .tsv/.csv/.jsonl, CoNLL, SQuAD .json")
     sub.add_argument("--dev", help="dev file: scored each epoch, the best model is kept")
