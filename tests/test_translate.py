@@ -308,9 +308,13 @@ def test_a_config_file_may_give_one_training_file_as_a_string(data, tmp_path):
 def test_resume_of_a_start_killed_while_writing_its_vocabulary(run_dir, data, cli, tmp_path):
     # The config and the vocabulary are written one after the other, before the first step:
     # a kill between them left --resume asking for the missing tokenizer.json forever.
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "config.json").write_bytes((run_dir[0] / "config.json").read_bytes())
-    code, _, err = cli(*train_args(data, out, "--resume"))
-    assert code == 0, err
-    assert (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
+    for leftover in ("config.json", ".config.json.0123456789abcdef0123456789abcdef.tmp"):
+        out = tmp_path / leftover.strip(".")
+        out.mkdir()
+        (out / leftover).write_bytes((run_dir[0] / "config.json").read_bytes())
+        code, _, err = cli(*train_args(data, out, "--resume"))
+        assert code == 0, err
+        assert (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "notes.txt").write_text("mine")
+    assert_one_error(*cli(*train_args(data, tmp_path / "notes", "--resume")), "no translation run")

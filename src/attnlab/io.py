@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shutil
@@ -132,6 +133,7 @@ def clear_dir(out: Path) -> None:
     beside the new run's vocabulary, for --resume to continue by mistake).
     """
     out = Path(out)
+    remove_trash_of(out)  # what a kill during an earlier clear left beside out
     if out.exists():
         trash = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
         os.replace(out, trash / "old")
@@ -144,6 +146,21 @@ def clear_dir(out: Path) -> None:
 # What _temp_name and the trash of clear_dir / staged_dir are called: .NAME.<32 hex>.tmp and
 # .NAME.<8 characters of mkdtemp>.old
 _LEFTOVER = re.compile(r"^\..+\.(?:[0-9a-f]{32}\.tmp|[a-z0-9_]{8}\.old)$")
+
+
+def remove_trash_of(out: Path) -> None:
+    """Delete the trash directories beside out that clear_dir or staged_dir left when killed."""
+    out = Path(out)
+    if out.name and out.parent.is_dir():
+        for path in out.parent.glob(f".{glob.escape(out.name)}.*.old"):
+            if is_leftover(path) and path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def contents(folder: Path) -> list[Path]:
+    """What folder holds, leaving out the temp files and trash of interrupted writes."""
+    folder = Path(folder)
+    return [p for p in folder.iterdir() if not is_leftover(p)] if folder.is_dir() else []
 
 
 def is_leftover(path: Path) -> bool:

@@ -49,7 +49,7 @@ from attnlab.io import (
     check_out_location,
     check_output_file,
     clear_dir,
-    is_leftover,
+    contents,
     write_text_atomic,
 )
 from attnlab.nn.packed import packed_linears
@@ -596,7 +596,7 @@ def _check_out(opts: FinetuneOptions) -> None:
     if opts.resume:
         # A run killed before its first log row may hold a checkpoint, or nothing yet.
         started = holds_run(out) or (out / BEST_DIR).exists()
-        if out.is_dir() and not started and any(not is_leftover(p) for p in out.iterdir()):
+        if not started and contents(out):
             raise AttnlabError(f"--resume: {out} holds no fine-tuning run to resume")
         return
     check_out_dir(out, opts.overwrite)

@@ -26,7 +26,7 @@ from torch import nn
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.interop.hf import load_bert, save_bert
-from attnlab.io import check_input_file, check_out_location, clear_dir
+from attnlab.io import check_input_file, check_out_location, clear_dir, contents
 from attnlab.models.bert import BertForPreTraining
 from attnlab.nn.packed import packed_linears
 from attnlab.text.masking import MaskingCollator, static_generator
@@ -274,10 +274,10 @@ def check_out_dir(opts: PretrainOptions) -> None:
         raise AttnlabError(f"--out {out} exists and is not a directory")
     # A run killed before its first log row or checkpoint holds only its vocabulary.
     is_run = holds_run(out) or (out / TOKENIZER_DIR).is_dir()
-    if out.is_dir() and any(out.iterdir()) and not (opts.resume or opts.overwrite):
+    if contents(out) and not (opts.resume or opts.overwrite):
         what = "holds a run" if is_run else "already holds files"
         raise AttnlabError(f"--out {out} {what}: pass --resume to continue or --overwrite")
-    if opts.resume and out.is_dir() and not is_run and any(out.iterdir()):
+    if opts.resume and not is_run and contents(out):  # temp files of a killed start are not
         raise AttnlabError(f"--resume: {out} holds no pretraining run to resume")
 
 

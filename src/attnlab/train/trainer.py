@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from attnlab.cpu import has_bf16_matmul
 from attnlab.errors import AttnlabError
-from attnlab.io import remove_leftovers
+from attnlab.io import remove_leftovers, remove_trash_of
 from attnlab.train.checkpoint import (
     capture_rng,
     latest_checkpoint,
@@ -435,6 +435,7 @@ class Trainer:
             remove_partial(root)
             # Temp files and trash of writes a kill interrupted: in out and one level below
             # (the best model's folder, a staged final model), never in the checkpoints.
+            remove_trash_of(out)  # an --overwrite killed while clearing the old run
             if out.is_dir():
                 for folder in [out, *(p for p in out.iterdir() if p.is_dir() and p != root)]:
                     remove_leftovers(folder)
