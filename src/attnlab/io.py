@@ -151,9 +151,10 @@ _LEFTOVER = re.compile(r"^\..+\.(?:[0-9a-f]{32}\.tmp|[a-z0-9_]{8}\.old)$")
 def remove_trash_of(out: Path) -> None:
     """Delete the trash directories beside out that clear_dir or staged_dir left when killed."""
     out = Path(out)
+    trash = re.compile(rf"\.{re.escape(out.name)}\.[a-z0-9_]{{8}}\.old")  # this out's only
     if out.name and out.parent.is_dir():
         for path in out.parent.glob(f".{glob.escape(out.name)}.*.old"):
-            if is_leftover(path) and path.is_dir() and not path.is_symlink():
+            if trash.fullmatch(path.name) and path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
 
 
