@@ -73,6 +73,13 @@ def write_with_atomic(path: Path, writer: Callable[[Path], None]) -> None:
         raise
 
 
+def _check_makeable(path: Path, flag: str) -> None:
+    """Refuse a path below a file (the folders it needs could never be made)."""
+    above = next((p for p in path.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise AttnlabError(f"{flag} {path} cannot be made: {above} is a file, not a directory")
+
+
 def check_out_location(out: Path, inputs: Sequence[str | Path] = ()) -> None:
     """Refuse an output directory that cannot be made, or whose replacement would lose an input.
 
@@ -89,9 +96,7 @@ def check_out_location(out: Path, inputs: Sequence[str | Path] = ()) -> None:
             raise AttnlabError(f"--out {out} is the input {source}: write to another directory")
         if out.resolve() in source.resolve().parents:
             raise AttnlabError(f"--out {out} holds the input {source}: choose another --out")
-    above = next((p for p in out.parents if p.exists()), None)
-    if above is not None and not above.is_dir():
-        raise AttnlabError(f"--out {out} cannot be made: {above} is a file, not a directory")
+    _check_makeable(out, "--out")
 
 
 def check_output_file(
@@ -104,9 +109,7 @@ def check_output_file(
     for source in map(Path, inputs):
         if source.exists() and source.resolve() in (output.resolve(), *output.resolve().parents):
             raise AttnlabError(f"--output {output} would replace the input {source}")
-    above = next((p for p in output.parents if p.exists()), None)
-    if above is not None and not above.is_dir():
-        raise AttnlabError(f"--output {output} cannot be made: {above} is a file, not a directory")
+    _check_makeable(output, "--output")
     if output.exists() and not overwrite:
         raise AttnlabError(f"--output {output} exists (pass --overwrite to replace it)")
     return output
