@@ -478,9 +478,10 @@ def test_resume_cleans_leftovers_and_warns_of_changed_settings(corpus, tmp_path,
     # and beside out: an --overwrite killed while it cleared the old run (clear_dir's trash)
     (tmp_path / ".run.a1b2c3d4.old" / "old" / "checkpoints").mkdir(parents=True)
     capsys.readouterr()
-    assert main([*args, "--steps", "3", "--resume", "--lr", "5e-4"]) == 0
+    assert main([*args, "--steps", "3", "--resume", "--lr", "5e-4", "--batch-size", "4"]) == 0
     err = capsys.readouterr().err
     assert "warning: resuming" in err and "lr 0.0005 (checkpoint: 0.0001)" in err
+    assert "batch_size 4 (checkpoint: 8)" in err  # the job's own settings too
     left = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
     assert left == [] and (out / "notes.txt").read_text() == "mine"
     assert not (tmp_path / ".run.a1b2c3d4.old").exists()

@@ -670,6 +670,7 @@ def prepare(opts: FinetuneOptions) -> FinetuneRun:
         progress=opts.progress,
         best_metric=best if evaluate is not None else None,
         max_seconds=opts.max_seconds,
+        job={"train": str(opts.train), "dev": str(opts.dev), "batch_size": opts.batch_size},
     )
     return FinetuneRun(
         model, tokenizer, labels, batches, config, evaluate, fresh, len(train_data.examples)

@@ -448,6 +448,12 @@ def trainer_config(opts: Any, warmup_divisor: int) -> TrainConfig:
         resume=opts.resume,
         overwrite=opts.overwrite,
         progress=opts.progress,
+        job={  # distill's options have a teacher, not an objective
+            "corpus": [str(f) for f in opts.corpus],
+            "batch_size": opts.batch_size,
+            "seq_len": opts.seq_len,
+            **{k: str(getattr(opts, k)) for k in ("objective", "teacher") if hasattr(opts, k)},
+        },
     )
 
 

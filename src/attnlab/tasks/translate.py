@@ -508,6 +508,11 @@ def trainer_config(opts: TranslateOptions) -> TrainConfig:
         progress=opts.progress,
         best_metric="valid_bleu" if opts.eval_sentences else None,  # None if nothing to score
         max_seconds=opts.max_minutes * 60 if opts.max_minutes is not None else None,
+        job={
+            "train": [str(f) for f in opts.train],
+            "valid": [str(f) for f in opts.valid],
+            "max_tokens": opts.max_tokens,
+        },
     )
 
 

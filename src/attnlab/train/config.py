@@ -57,6 +57,9 @@ class TrainConfig:
     best_mode: str = "max"
     max_seconds: float | None = None
     compile: bool = False  # torch.compile the forward pass (pays off on GPUs; measure on CPU)
+    # The job's own settings (data files, batch and model sizes) as plain values: recorded in
+    # each checkpoint, so a resume with other ones is warned about.
+    job: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)

@@ -475,7 +475,9 @@ class Trainer:
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise AttnlabError(f"checkpoint {path} does not fit this run ({exc})") from exc
         saved, now = state.get("config") or {}, self.config.to_dict()
-        changed = [k for k in RESUMED_SETTINGS if k in saved and saved[k] != now[k]]
+        saved, now = {**saved, **saved.get("job", {})}, {**now, **now["job"]}
+        names = [*RESUMED_SETTINGS, *self.config.job]
+        changed = [k for k in names if k in saved and saved[k] != now[k]]
         if changed and self.is_main:  # the checkpoint's optimiser and schedule state go on
             differ = ", ".join(f"{k} {now[k]!r} (checkpoint: {saved[k]!r})" for k in changed)
             print(f"warning: resuming {path} with other settings: {differ}", file=sys.stderr)
