@@ -45,11 +45,8 @@ from attnlab.interop.hf import (
     save_task_model,
 )
 from attnlab.io import (
-    check_out_dir,
-    check_out_location,
     check_output_file,
     clear_dir,
-    contents,
     write_text_atomic,
 )
 from attnlab.nn.packed import packed_linears
@@ -59,7 +56,7 @@ from attnlab.text.tokenizer import BertTokenizer
 from attnlab.train.config import RunOptions, TrainConfig
 from attnlab.train.data import Batch
 from attnlab.train.distributed import barrier, init_distributed, shutdown_distributed
-from attnlab.train.trainer import Trainer, holds_run
+from attnlab.train.trainer import Trainer, check_run_out, holds_run
 
 TASKS = ("classify", "regress", "ner", "qa")
 DEFAULT_MAX_LENGTH = {"classify": 128, "regress": 128, "ner": 128, "qa": 384}
@@ -591,15 +588,10 @@ def _check_out(opts: FinetuneOptions) -> None:
     out = opts.out
     if out.exists() and opts.model.exists() and out.resolve() == opts.model.resolve():
         raise AttnlabError("--out must differ from --model")
-    if opts.overwrite:  # --overwrite replaces --out as a whole: no input may be inside it
-        check_out_location(out, [p for p in (opts.model, opts.train, opts.dev) if p is not None])
-    if opts.resume:
-        # A run killed before its first log row may hold a checkpoint, or nothing yet.
-        started = holds_run(out) or (out / BEST_DIR).exists()
-        if not started and contents(out):
-            raise AttnlabError(f"--resume: {out} holds no fine-tuning run to resume")
-        return
-    check_out_dir(out, opts.overwrite)
+    # A run killed before its first log row may hold a checkpoint, or nothing yet.
+    started = holds_run(out) or (out / BEST_DIR).exists()
+    inputs = [opts.model, opts.train, opts.dev]
+    check_run_out(out, opts.resume, opts.overwrite, started, "fine-tuning", inputs)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from torch import nn
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.interop.hf import load_bert, save_bert
-from attnlab.io import check_input_file, check_out_location, clear_dir, contents
+from attnlab.io import check_input_file, clear_dir
 from attnlab.models.bert import BertForPreTraining
 from attnlab.nn.packed import packed_linears
 from attnlab.text.masking import MaskingCollator, static_generator
@@ -42,7 +42,7 @@ from attnlab.train.distributed import (
 )
 from attnlab.train.grads import clipped_step, kept_embedding_grads
 from attnlab.train.memory import keep_freed_memory
-from attnlab.train.trainer import TrainConfig, Trainer, has_checkpoint, holds_run
+from attnlab.train.trainer import TrainConfig, Trainer, check_run_out, has_checkpoint, holds_run
 
 TOKENIZER_DIR = "tokenizer"  # inside the output: the vocabulary a resumed run must reuse
 
@@ -265,20 +265,12 @@ class PretrainOptions(RunOptions):
 
 def check_out_dir(opts: PretrainOptions) -> None:
     """Refuse an --out that holds files or another run, unless resuming or overwriting."""
-    # --overwrite replaces --out as a whole: an input inside it would go too.
-    inputs = [*opts.corpus, opts.tokenizer, opts.init, opts.cache_dir] if opts.overwrite else []
-    check_out_location(opts.out, [p for p in inputs if p is not None])
-    # The trainer checks this too, but the tokenizer is written before it starts.
+    # The trainer checks this too, but the tokenizer is written before it starts. A run killed
+    # before its first log row or checkpoint holds only its vocabulary.
     out = opts.out
-    if out.exists() and not out.is_dir():
-        raise AttnlabError(f"--out {out} exists and is not a directory")
-    # A run killed before its first log row or checkpoint holds only its vocabulary.
-    is_run = holds_run(out) or (out / TOKENIZER_DIR).is_dir()
-    if contents(out) and not (opts.resume or opts.overwrite):
-        what = "holds a run" if is_run else "already holds files"
-        raise AttnlabError(f"--out {out} {what}: pass --resume to continue or --overwrite")
-    if opts.resume and not is_run and contents(out):  # temp files of a killed start are not
-        raise AttnlabError(f"--resume: {out} holds no pretraining run to resume")
+    started = holds_run(out) or (out / TOKENIZER_DIR).is_dir()
+    inputs = [*opts.corpus, opts.tokenizer, opts.init, opts.cache_dir]
+    check_run_out(out, opts.resume, opts.overwrite, started, "pretraining", inputs)
 
 
 def run_tokenizer(opts: PretrainOptions, files: list[Path]) -> BertTokenizer:

@@ -32,7 +32,7 @@ from torch import nn
 from attnlab.config import TRANSFORMER_PRESETS, TransformerConfig
 from attnlab.decode import translate_batches
 from attnlab.errors import AttnlabError
-from attnlab.io import check_out_location, clear_dir, contents, write_text_atomic, write_with_atomic
+from attnlab.io import clear_dir, write_text_atomic, write_with_atomic
 from attnlab.metrics import corpus_bleu
 from attnlab.models.seq2seq import Transformer
 from attnlab.text.bpe import BpeTokenizer, train_bpe_from_texts
@@ -53,7 +53,14 @@ from attnlab.train.distributed import (
     raise_together,
     shutdown_distributed,
 )
-from attnlab.train.trainer import CHECKPOINT_DIR, TrainConfig, Trainer, has_checkpoint, holds_run
+from attnlab.train.trainer import (
+    CHECKPOINT_DIR,
+    TrainConfig,
+    Trainer,
+    check_run_out,
+    has_checkpoint,
+    holds_run,
+)
 
 MODEL_TYPE = "attnlab-transformer"  # config.json marker of a translation model directory
 CONFIG_FILE = "config.json"
@@ -287,21 +294,12 @@ def _paths(value: Any, name: str) -> list[Path]:
 
 def check_out_dir(opts: TranslateOptions) -> None:
     """Refuse an --out that holds files or another run, unless resuming or overwriting."""
-    # --overwrite replaces --out as a whole: an input inside it would go too.
-    inputs = [*opts.train, *opts.valid, opts.tokenizer] if opts.overwrite else []
-    check_out_location(opts.out, [p for p in inputs if p is not None])
     out = opts.out
-    if out.exists() and not out.is_dir():
-        raise AttnlabError(f"--out {out} exists and is not a directory")
-    if not contents(out):  # nothing, or only the temp files of a start killed early
-        return
-    if not (opts.resume or opts.overwrite):
-        what = "holds a run" if holds_run(out) else "already holds files"
-        raise AttnlabError(f"--out {out} {what}: pass --resume to continue or --overwrite")
-    if opts.resume and ((out / CONFIG_FILE).is_file() or holds_run(out)):
+    started = (out / CONFIG_FILE).is_file() or holds_run(out)
+    inputs = [*opts.train, *opts.valid, opts.tokenizer]
+    check_run_out(out, opts.resume, opts.overwrite, started, "translation", inputs)
+    if opts.resume and started:
         read_model_config(out)  # a run of another kind cannot be continued
-    elif opts.resume:
-        raise AttnlabError(f"--resume: {out} holds no translation run to resume")
 
 
 @dataclass

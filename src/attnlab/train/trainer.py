@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from attnlab.cpu import has_bf16_matmul
 from attnlab.errors import AttnlabError
-from attnlab.io import remove_leftovers, remove_trash_of
+from attnlab.io import check_out_location, contents, remove_leftovers, remove_trash_of
 from attnlab.train.checkpoint import (
     capture_rng,
     latest_checkpoint,
@@ -71,6 +71,32 @@ RESUMED_SETTINGS = (
 def holds_run(out: Path) -> bool:
     """Whether out holds a training run's log or checkpoints (something --resume continues)."""
     return (out / METRICS_FILE).exists() or (out / CHECKPOINT_DIR).is_dir()
+
+
+def check_run_out(
+    out: Path,
+    resume: bool,
+    overwrite: bool,
+    started: bool,
+    job: str,
+    inputs: Sequence[Path | None] = (),
+) -> None:
+    """Refuse an --out a training job may not use (pretrain, distill, finetune, translate).
+
+    ``started``: out holds this job's files (a run, or a start killed early). A non-empty out
+    needs --resume or --overwrite; --resume needs a started run or an empty out (the run then
+    starts); --overwrite replaces out as a whole, so no input may be inside it.
+    """
+    check_out_location(out, [p for p in inputs if p is not None] if overwrite else [])
+    if out.exists() and not out.is_dir():
+        raise AttnlabError(f"--out {out} exists and is not a directory")
+    if not contents(out):  # nothing, or only the temp files of a start killed early
+        return
+    if not (resume or overwrite):
+        what = "holds a run" if started else "already holds files"
+        raise AttnlabError(f"--out {out} {what}: pass --resume to continue or --overwrite")
+    if resume and not started:
+        raise AttnlabError(f"--resume: {out} holds no {job} run to resume")
 
 
 def has_checkpoint(out: Path) -> bool:
