@@ -279,6 +279,7 @@ def options_from(
     from attnlab.config import check_types
 
     fields = {f.name for f in dataclasses.fields(cls)}
+    lists = [k for k, hint in typing.get_type_hints(cls).items() if typing.get_origin(hint) is list]
     values: dict[str, object] = {}
     if args.config:
         # null in the file means "not given", as an absent flag does: the default applies
@@ -289,8 +290,8 @@ def options_from(
                 raise AttnlabError(f"--config {args.config}: threads must be an integer")
             args.threads = threads
             _set_threads(args)
-        for key, hint in typing.get_type_hints(cls).items():  # one file needs no list
-            if typing.get_origin(hint) is list and isinstance(from_file.get(key), str):
+        for key in lists:  # one file needs no list
+            if isinstance(from_file.get(key), str):
                 from_file[key] = [from_file[key]]
         check_types(cls, from_file, f"--config {args.config}")  # flags are typed by argparse
         values.update(from_file)
@@ -308,10 +309,9 @@ def options_from(
         from attnlab.io import check_out_location  # --overwrite replaces --out as a whole
 
         check_out_location(Path(str(values["out"])), [args.config])
-    if "corpus" in fields:  # pretrain, distill; finetune reads --train/--dev instead
-        if isinstance(values.get("corpus"), (str, Path)):
-            values["corpus"] = [values["corpus"]]
-        values["corpus"] = [Path(str(c)) for c in values.get("corpus") or []]
+    for key in lists:  # corpus (pretrain, distill), train and valid (translate): file lists
+        if values.get(key) is not None:
+            values[key] = [Path(str(item)) for item in values[key]]
     try:
         return cls(**values)
     except TypeError as err:
