@@ -202,6 +202,40 @@ def test_corpus_streams_in_chunks(
         assert got == want
 
 
+@pytest.mark.parametrize(
+    ("array", "index", "value", "detail"),
+    [
+        ("tokens", 2, 10**6, "outside the vocabulary"),
+        ("tokens", -1, -5, "outside the vocabulary"),
+        ("word_starts", 0, 7, "word-start flag"),
+        ("sentence_offsets", 2, 10**9, "not increasing"),
+        ("sentence_offsets", -1, 3, "does not run from 0"),
+        ("document_offsets", 1, 0, "not increasing"),
+    ],
+)
+def test_a_corrupt_corpus_cache_is_refused_when_reused(
+    tmp_path: Path,
+    minilm_tokenizer: BertTokenizer,
+    monkeypatch: pytest.MonkeyPatch,
+    array: str,
+    index: int,
+    value: int,
+    detail: str,
+) -> None:
+    # Right sizes, wrong bytes: before, examples were built from it and training failed
+    # mid-run (an IndexError, or an embedding lookup out of range).
+    monkeypatch.setattr(pretraining, "_VERIFY_CHUNK", 3)  # the checks cross chunk edges
+    path = _write_blank_separated(tmp_path / "corpus.txt", ENGLISH_DOCS)
+    corpus = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
+    TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")  # a sound one is reused
+    dtype = pretraining._ARRAYS[array]
+    data = np.fromfile(corpus.directory / f"{array}.bin", dtype=dtype)
+    data[index] = value
+    data.tofile(corpus.directory / f"{array}.bin")
+    with pytest.raises(AttnlabError, match=f"corrupt \\(.*{detail}.*delete that directory"):
+        TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
+
+
 def test_empty_corpus_is_an_error(tmp_path: Path, minilm_tokenizer: BertTokenizer) -> None:
     path = tmp_path / "empty.txt"
     path.write_text("\n  \n\n", encoding="utf-8")
