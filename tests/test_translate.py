@@ -186,6 +186,22 @@ def test_resume_continues_the_run(run_dir, data, cli, tmp_path):
     assert model.config.d_model == 32 and tokenizer.vocab_size <= 300
 
 
+def test_resume_with_another_model_is_refused(run_dir, data, cli, tmp_path):
+    # A resumed run keeps its own config.json; before, --preset or --dropout given on resume
+    # were dropped in silence and the run went on with its first model.
+    out = tmp_path / "copy"
+    shutil.copytree(run_dir[0], out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    wider = tmp_path / "wider.toml"
+    wider.write_text(TINY.replace("d_ff = 64", "d_ff = 128"))
+    code, _, err = cli(*train_args(data, out, "--resume", "--dropout", 0.3))
+    assert_one_error(code, _, err, "dropout 0.3 (the run's: 0.1)", "--overwrite")
+    args = train_args(data, out, "--resume")
+    args[args.index(data / "tiny.toml")] = wider
+    assert_one_error(*cli(*args), "d_ff 128 (the run's: 64)")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 # ---- bad input: one line, exit 2, nothing written ---------------------------------------------
 
 

@@ -251,6 +251,13 @@ class TranslateOptions(RunOptions):
         if self.tokenizer is not None:
             self.tokenizer = Path(self.tokenizer)
         defaults = SAMPLE_DEFAULTS if not self.train else RUN_DEFAULTS
+        # Whether the model was asked for (a resumed run keeps its own: see prepare).
+        self.model_given = bool(
+            self.preset is not None
+            or self.model_config
+            or self.dropout is not None
+            or self.label_smoothing is not None
+        )
         if self.preset is None and not self.model_config:
             self.model_config = dict(defaults.get("sample_model", {}))
         for name in ("preset", "steps", "max_tokens", "eval_every", "save_every"):
@@ -355,6 +362,8 @@ def prepare(opts: TranslateOptions, from_out: bool = False) -> TranslationData:
     if from_out or (opts.resume and has_checkpoint(opts.out)):
         tokenizer = BpeTokenizer.from_dir(opts.out)
         config = read_model_config(opts.out)
+        if not from_out and opts.model_given:
+            check_same_model(opts, model_config(opts, tokenizer), config)
     else:
         if opts.tokenizer is not None:
             tokenizer = BpeTokenizer.from_dir(opts.tokenizer)
@@ -372,6 +381,23 @@ def prepare(opts: TranslateOptions, from_out: bool = False) -> TranslationData:
     )
     valid_encoded = encode_pairs(tokenizer, valid, config.max_positions) if valid else None
     return TranslationData(tokenizer, config, batches, valid_encoded, valid, notes)
+
+
+def check_same_model(
+    opts: TranslateOptions, asked: TransformerConfig, run: TransformerConfig
+) -> None:
+    """Refuse model options on --resume that differ from the run's own model (which it keeps)."""
+    differ = [
+        f"{name} {value!r} (the run's: {getattr(run, name)!r})"
+        for name, value in dataclasses.asdict(asked).items()
+        if getattr(run, name) != value
+    ]
+    if differ:
+        raise AttnlabError(
+            f"--resume keeps the model of the run in {opts.out}, but the options ask for another: "
+            f"{', '.join(differ)}; drop --preset/--dropout/--label-smoothing/model_config, or "
+            "start again with --overwrite"
+        )
 
 
 def model_config(opts: TranslateOptions, tokenizer: BpeTokenizer) -> TransformerConfig:
