@@ -493,6 +493,20 @@ def test_squad_offsets_that_miss_the_context(tiny_dir, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_squad_training_question_without_answers_is_refused(tiny_dir, tmp_path, capsys):
+    # Before, a question lacking its "answers" key (an unlabelled file given as --train)
+    # trained as unanswerable; a prediction file may lack them, a training file may not.
+    data = json.loads((DATA / "squad.json").read_text())
+    del data["data"][0]["paragraphs"][0]["qas"][1]["answers"]
+    train = write(tmp_path / "unlabelled.json", json.dumps(data))
+    out = tmp_path / "out"
+    args = finetune_args(tiny_dir, train, out, "--max-length", "64", "--doc-stride", "16")
+    args[2] = "qa"
+    assert_one_error(run(capsys, *args), "'q2'", 'no "answers" list', '"answers": []')
+    assert not out.exists()
+    assert len(read_examples("qa", train, {"_scoring": False}, labelled=False)) == 8
+
+
 def test_fix_answer_offsets_moves_wrong_offsets_and_drops_absent_answers(
     tiny_dir, tmp_path, capsys
 ):

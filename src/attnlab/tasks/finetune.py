@@ -208,7 +208,7 @@ def read_examples(task: str, path: Path, settings: dict[str, Any], labelled: boo
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            examples = task_data.read_squad(path, fix_offsets=fix)
+            examples = task_data.read_squad(path, fix_offsets=fix, require_answers=training)
         except task_data.AnswerOffsetError as err:
             raise AttnlabError(
                 f"{err}; --fix-answer-offsets moves such answers to where their text occurs"

@@ -563,14 +563,17 @@ class QAExample:
     other_answers: list[str] = field(default_factory=list)
 
 
-def read_squad(path: str | Path, fix_offsets: bool = True) -> list[QAExample]:
+def read_squad(
+    path: str | Path, fix_offsets: bool = True, require_answers: bool = False
+) -> list[QAExample]:
     """Read SQuAD v1.1-style JSON (optionally .gz): SQuAD itself, CMRC 2018.
 
     Every kept answer satisfies context[start:start + len(text)] == text. With
     `fix_offsets` (the default), an answer whose offset is wrong is moved to the
     occurrence of its text nearest the given offset, and an answer whose text is not in
     the context at all goes to `other_answers`; a warning gives both counts. With
-    `fix_offsets=False` any wrong offset is an error.
+    `fix_offsets=False` any wrong offset is an error. With `require_answers` (training
+    files) every question must have an "answers" list, empty for an unanswerable one.
     """
     path = _existing_file(path)
     data = _read_json(path)
@@ -590,6 +593,11 @@ def read_squad(path: str | Path, fix_offsets: bool = True) -> list[QAExample]:
                     if qid in seen:
                         raise AttnlabError(f"{path}: question id {qid!r} appears twice")
                     seen.add(qid)
+                    if require_answers and not isinstance(qa.get("answers"), list):
+                        raise AttnlabError(
+                            f'{path}: question {qid!r} has no "answers" list: a training file '
+                            'needs one for every question ("answers": [] if it has no answer)'
+                        )
                     answers, others = [], []
                     for answer in qa.get("answers", []):
                         text, given = answer["text"], int(answer["answer_start"])
