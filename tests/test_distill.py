@@ -255,7 +255,8 @@ def test_distill_learns_and_writes_an_hf_checkpoint(teacher_dir, cache, tmp_path
     assert {"distill_loss", "mlm_loss", "cosine_loss"} <= set(rows[0])
     assert rows[-1]["distill_loss"] < 0.8 * rows[0]["distill_loss"]  # it imitates the teacher
     evals = [r for r in _rows(out) if r.get("eval")]
-    assert [r["step"] for r in evals] == [20, 40, 60]
+    assert [r["step"] for r in evals] == [0, 20, 40, 60]  # 0: the student as initialised
+    assert summary["agreement_before"] == evals[0]["eval_fill_mask_agreement"]
     agreement = evals[-1]["eval_fill_mask_agreement"]
     assert summary["agreement"] == agreement
     assert agreement > summary["agreement_before"] + 0.1  # the fresh student agrees ~0%
@@ -289,7 +290,10 @@ def test_resume(teacher_dir, cache, tmp_path, capsys):
         )
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    capsys.readouterr()
     assert run(straight, 8) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0 <= first["agreement_before"] <= 1
     # A run stopped after its step-3 checkpoint: step-3 is the newest, no final model yet.
     shutil.copytree(straight, resumed)
     for name in ("checkpoints/step-6", "checkpoints/step-8"):
@@ -302,7 +306,9 @@ def test_resume(teacher_dir, cache, tmp_path, capsys):
     capsys.readouterr()
     assert run(resumed, 10, "--resume") == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["step"] == 10 and summary["agreement_before"] is None
+    # the student as initialised was scored at step 0; that row outlives the resumes
+    assert summary["step"] == 10 and summary["agreement_before"] == first["agreement_before"]
+    assert summary["teacher_kl_before"] == first["teacher_kl_before"] is not None
     assert [r["step"] for r in _rows(resumed) if not r.get("eval")] == [5, 8, 10]
 
 

@@ -7,6 +7,7 @@ import math
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _trainer_run import TinyClassifier, make_data, train
+from _trainer_run import TinyClassifier, make_data, make_evaluate, train
 from _trainer_run import kill_in_save as kill_in_save_hook
 from safetensors.torch import load_file
 from torch import nn
@@ -505,6 +506,34 @@ def test_on_best_is_called_exactly_when_the_tracked_metric_improves(tmp_path: Pa
     assert [r["step"] for r in evals if r.get("best")] == [r["step"] for r in expected]
     assert summary["best"]["step"] == expected[-1]["step"]
     assert summary["best"]["loss"] == min(r["loss"] for r in evals)
+
+
+def test_eval_at_start_scores_step_0_once_and_changes_no_training(tmp_path: Path) -> None:
+    train(tmp_path / "plain", steps=8)
+    start = tmp_path / "start"
+    train(start, steps=8, eval_at_start=True)
+    evals = [r for r in _rows(start) if r.get("eval")]
+    assert [r["step"] for r in evals] == [0, 3, 6, 8]
+    seed_everything(0)  # the model as train() builds it, scored by hand
+    fresh = TinyClassifier().eval()
+    with torch.no_grad():
+        expected = make_evaluate(make_data(32, seed=2))(fresh)
+    assert evals[0] == {"step": 0, "eval": True, **expected}
+    # the evaluation leaves every RNG as it was: the same weights as without it
+    plain, scored = _weights(tmp_path / "plain", 8), _weights(start, 8)
+    assert all(torch.equal(plain[k], scored[k]) for k in plain)
+    # resumed from step 4, the step-0 row stays and is not redone
+    resumed = tmp_path / "resumed"
+    shutil.copytree(start, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-8")
+    train(resumed, steps=8, eval_at_start=True, resume=True)
+    assert _rows(resumed) == _rows(start)
+    # a start killed before its first checkpoint runs again from step 0: one step-0 row
+    restarted = tmp_path / "restarted"
+    restarted.mkdir()
+    (restarted / "metrics.jsonl").write_text(json.dumps(evals[0]) + "\n")
+    train(restarted, steps=8, eval_at_start=True, resume=True)
+    assert _rows(restarted) == _rows(start)
 
 
 def test_best_metric_must_be_one_the_evaluation_returns(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -372,7 +372,8 @@ def distill(opts: DistillOptions) -> dict[str, Any]:
     model = DistillationModel(
         teacher, student, opts.temperature, opts.alpha_ce, opts.alpha_mlm, alpha_cos
     )
-    config = trainer_config(opts, warmup_divisor=20)  # DistilBERT's 5% warm-up
+    # DistilBERT's 5% warm-up; the student as initialised is scored too (step 0's eval row)
+    config = replace(trainer_config(opts, warmup_divisor=20), eval_at_start=True)
     # As in pretrain(): rank 0 tokenizes (filling the cache) and checks the data first, and
     # shares a failure so no rank waits at a barrier. Nothing is written before fit().
     failure: AttnlabError | None = None
@@ -389,10 +390,9 @@ def distill(opts: DistillOptions) -> dict[str, Any]:
         clear_dir(opts.out)
     barrier()
     trainer = Trainer(model, job.batches, config, evaluate)  # moves model (and teacher)
-    before: dict[str, float] = {}
-    if evaluate is not None and rank == 0 and not opts.resume:
-        before = _evaluate_now(model, evaluate)
     summary = trainer.fit()
+    rows = trainer.log.rows if rank == 0 else []
+    before = next((row for row in rows if row.get("eval") and row["step"] == 0), {})
     finish(student, tokenizer, opts.out, rank)
     return {
         **summary,
@@ -405,13 +405,3 @@ def distill(opts: DistillOptions) -> dict[str, Any]:
         "student_layers": student.config.n_layers,
         "alpha_cos": alpha_cos,
     }
-
-
-def _evaluate_now(model: nn.Module, evaluate: Evaluate) -> dict[str, float]:
-    """The held-out scores of the student as initialised (step 0), for the summary."""
-    model.eval()
-    try:
-        with torch.no_grad():
-            return evaluate(model)
-    finally:
-        model.train()

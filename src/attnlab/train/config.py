@@ -28,7 +28,8 @@ class TrainConfig:
     of 0 keeps every checkpoint. ``best_metric`` names an evaluation metric to track
     (``best_mode`` "max" or "min"): each evaluation that improves it calls the trainer's
     ``on_best``. ``max_seconds`` ends training early, with a checkpoint, once that much
-    training time (summed over resumed runs) has passed.
+    training time (summed over resumed runs) has passed. ``eval_at_start`` also evaluates
+    the model as it starts (an eval row at step 0, kept when the run is resumed).
     """
 
     out_dir: Path
@@ -56,6 +57,7 @@ class TrainConfig:
     best_metric: str | None = None
     best_mode: str = "max"
     max_seconds: float | None = None
+    eval_at_start: bool = False
     compile: bool = False  # torch.compile the forward pass (pays off on GPUs; measure on CPU)
     # The job's own settings (data files, batch and model sizes) as plain values: recorded in
     # each checkpoint, so a resume with other ones is warned about.

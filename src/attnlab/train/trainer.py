@@ -249,6 +249,8 @@ class Trainer:
         self._started = time.perf_counter()
         seed_everything(cfg.seed + self.rank)  # ranks differ in dropout, as their data does
         self._open_run()
+        if cfg.eval_at_start and self.step == 0 and self.evaluate is not None:
+            self._run_evaluation()
         start_step, self._session_tokens = self.step, 0
         self._window.started = time.perf_counter()  # tokens/s counts training time only
         data = iter(self.batches)
@@ -466,8 +468,8 @@ class Trainer:
                 for folder in [out, *(p for p in out.iterdir() if p.is_dir() and p != root)]:
                     remove_leftovers(folder)
             # Rows past the checkpoint are redone by this run: drop them so the file ends up
-            # as an uninterrupted run's.
-            self.log.truncate_after(self.step)
+            # as an uninterrupted run's (all of them, step 0's evaluation too, without one).
+            self.log.truncate_after(self.step if latest is not None else -1)
             out.mkdir(parents=True, exist_ok=True)
             self.last_train, self.last_eval = self._last_row(False), self._last_row(True)
         barrier()
