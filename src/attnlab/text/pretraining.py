@@ -426,7 +426,9 @@ def _write_corpus(
 ) -> None:
     """Stream documents through the tokenizer in chunks, appending to the array files."""
     writer = _CorpusWriter(out, tokenizer, segmenter)
-    with tqdm(desc="tokenizing", unit=" sentences", disable=not progress) as bar:
+    # Shown only once tokenizing has taken a second: a small corpus prints no bar (nor one
+    # before the error line of a corpus refused right after).
+    with tqdm(desc="tokenizing", unit=" sentences", disable=not progress, delay=1.0) as bar:
         try:
             sentences: list[str] = []
             ends_document: list[bool] = []  # True for the last sentence of each document
