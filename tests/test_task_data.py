@@ -85,6 +85,22 @@ def test_read_table_without_labels_and_without_header(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("suffix", [".tsv", ".csv"])
+def test_named_columns_skip_a_header_row_that_repeats_them(tmp_path, suffix):
+    # Before, the header of a file read with --columns became an example labelled "label".
+    sep = "\t" if suffix == ".tsv" else ","
+    rows = ["a", "b", "label"], ["q1", "q2", "1"], ["q3", "q4", "0"]
+    path = write(tmp_path / f"t{suffix}", "".join(sep.join(row) + "\n" for row in rows))
+    examples = read_table(path, "a", "b", "label", columns=["a", "b", "label"])
+    assert [(e.text, e.pair, e.label, e.line) for e in examples] == [
+        ("q1", "q2", "1", 2),
+        ("q3", "q4", "0", 3),
+    ]
+    # a first row that names other columns is data
+    examples = read_table(path, "x", "y", "z", columns=["x", "y", "z"])
+    assert [e.text for e in examples] == ["a", "q1", "q3"]
+
+
 def test_skip_empty_drops_rows_with_a_warning(tmp_path):
     path = write(tmp_path / "t.csv", "label,review\n1,good\n0,\n")
     with pytest.warns(UserWarning, match="skipped 1 row"):

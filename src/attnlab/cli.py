@@ -599,7 +599,9 @@ def add_training_flags(sub: argparse.ArgumentParser, lr_default: str, warmup_def
 def _add_data_flags(sub: argparse.ArgumentParser) -> None:
     """How a task file is read (finetune, evaluate, predict; the latter two default to training's)."""
     sub.add_argument(
-        "--columns", help="names of a headerless table's columns, comma-separated (a,b,label)"
+        "--columns",
+        help="names of a headerless table's columns, comma-separated (a,b,label); a first "
+        "row that repeats them is skipped as a header",
     )
     sub.add_argument("--text-column", help="table column of the text (default 'text')")
     sub.add_argument("--text-pair-column", help="table column of the second text of a pair")

@@ -102,7 +102,8 @@ def read_table(
     """Read a .tsv, .csv or .jsonl table (optionally .gz) into examples.
 
     TSV and CSV files start with a header row naming the columns, unless `columns` names
-    them, for headerless files such as AFQMC, LCQMC and CMNLI. `label_column=None` reads
+    them, for headerless files such as AFQMC, LCQMC and CMNLI (a first row that repeats
+    those names is then a header all the same, and skipped). `label_column=None` reads
     unlabeled input (labels None). Text fields are stripped of surrounding whitespace; an
     empty text is an error, or with `skip_empty` a dropped row (with a warning), since
     ChnSentiCorp_htl_all has one empty review.
@@ -164,6 +165,7 @@ def _delimited_rows(
         else:
             header = list(columns)
         _check_columns(path, wanted, header, named=columns is not None)
+        header_row = columns is None
         while True:
             first_line = reader.line_num + 1  # a quoted CSV field may span several lines
             row = next(reader, None)
@@ -171,6 +173,10 @@ def _delimited_rows(
                 return
             if not row:  # a blank line
                 continue
+            if not header_row:  # the first row, with names given: a header if it has them
+                header_row = True
+                if [field.strip() for field in row] == header:
+                    continue
             if len(row) != len(header):
                 raise AttnlabError(
                     f"{path}, line {first_line}: {len(row)} field(s), expected {len(header)} "
