@@ -342,6 +342,18 @@ def test_export_loads_in_transformers_with_the_same_outputs(
         assert (out / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
 
 
+def test_export_into_an_out_holding_only_a_killed_writes_temp_file(cli, tiny_dir, tmp_path):
+    # Such leftovers are not contents: before, the export was refused (training jobs' --out
+    # check already ignored them).
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / f".config.json.{'0' * 32}.tmp").write_text("{")
+    code, _, err = cli("export", "--model", tiny_dir, "--out", out)
+    assert code == 0, err
+    assert {"config.json", "model.safetensors", "vocab.txt"} <= set(os.listdir(out))
+    assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
+
+
 def test_export_refuses_a_non_empty_out_unless_overwrite(cli, tiny_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -124,7 +124,7 @@ def check_out_dir(out: Path, overwrite: bool = False, inputs: Sequence[str | Pat
     check_out_location(out, inputs)
     if out.exists() and not out.is_dir():
         raise AttnlabError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+    if contents(out) and not overwrite:  # temp files of a killed write are not contents
         raise AttnlabError(f"--out {out} already holds files (pass --overwrite to replace them)")
 
 
