@@ -536,6 +536,17 @@ def test_eval_at_start_scores_step_0_once_and_changes_no_training(tmp_path: Path
     assert _rows(restarted) == _rows(start)
 
 
+def test_resume_warning_says_when_warmup_moved_with_steps(tmp_path: Path, capsys) -> None:
+    train(tmp_path / "run", steps=8, warmup=0)
+    capsys.readouterr()
+    train(tmp_path / "run", steps=12, warmup=1, resume=True)  # a job deriving it from --steps
+    err = capsys.readouterr().err
+    assert "warmup 1 (checkpoint: 0) (a job's default warm-up follows --steps" in err
+    train(tmp_path / "run", steps=12, warmup=2, lr=2e-2, resume=True)  # steps unchanged
+    err = capsys.readouterr().err
+    assert "warmup 2 (checkpoint: 1)" in err and "follows --steps" not in err
+
+
 def test_best_metric_must_be_one_the_evaluation_returns(tmp_path: Path) -> None:
     with pytest.raises(AttnlabError, match="best_metric 'f1' is not among"):
         train(tmp_path / "run", steps=4, eval_every=2, best_metric="f1")

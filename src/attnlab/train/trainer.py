@@ -508,6 +508,8 @@ class Trainer:
         changed = [k for k in names if k in saved and saved[k] != now[k]]
         if changed and self.is_main:  # the checkpoint's optimiser and schedule state go on
             differ = ", ".join(f"{k} {now[k]!r} (checkpoint: {saved[k]!r})" for k in changed)
+            if "warmup" in changed and saved.get("steps") != now["steps"]:
+                differ += " (a job's default warm-up follows --steps: --warmup fixes it)"
             print(f"warning: resuming {path} with other settings: {differ}", file=sys.stderr)
 
     def _save(self) -> None:
