@@ -354,6 +354,15 @@ def test_export_into_an_out_holding_only_a_killed_writes_temp_file(cli, tiny_dir
     assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
 
 
+def test_an_out_in_a_loop_of_links_is_one_error_line(cli, tiny_dir, corpus, tmp_path):
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    out = tmp_path / "loop1"
+    for args in (["export", "--model", tiny_dir, "--out", out],
+                 ["tokenizer", "train", "--vocab-size", 100, "--out", out, corpus]):  # fmt: skip
+        assert_one_error(*cli(*args), "cannot be used: Symlink loop")
+
+
 def test_export_refuses_a_non_empty_out_unless_overwrite(cli, tiny_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -607,6 +608,23 @@ def test_evaluate_and_predict_refuse_bad_settings_and_outputs(tiny_dir, tmp_path
                      "--overwrite")  # fmt: skip
         assert_one_error(result, fragment)
     assert (tmp_path / "notes.txt").read_text() == "mine"
+    # Before, --overwrite replaced a FIFO or a symbolic link with a file (the link's target
+    # kept its old text), and a loop of links gave a traceback.
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    for output, fragment in ((tmp_path / "fifo", "not a regular file"),
+                             (tmp_path / "loop1", "cannot be used: Symlink loop")):  # fmt: skip
+        result = run(capsys, "predict", "--model", model, "--input", data, "--output", output,
+                     "--overwrite")  # fmt: skip
+        assert_one_error(result, fragment)
+    assert stat.S_ISFIFO((tmp_path / "fifo").stat().st_mode)
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "notes.txt")
+    result = run(capsys, "predict", "--model", model, "--input", data,
+                 "--output", tmp_path / "link.jsonl", "--overwrite")  # fmt: skip
+    assert result[0] == 0, result
+    assert (tmp_path / "link.jsonl").is_symlink()  # written through: the link stays
+    assert (tmp_path / "notes.txt").read_text().startswith("{")
     # a damaged finetune.json is named, and its task cannot contradict the model's head
     settings = model / "finetune.json"
     for text, fragment in (("[1]", "expected a JSON object"),

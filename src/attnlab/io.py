@@ -80,6 +80,14 @@ def _check_makeable(path: Path, flag: str) -> None:
         raise AttnlabError(f"{flag} {path} cannot be made: {above} is a file, not a directory")
 
 
+def _resolved(path: Path, flag: str) -> Path:
+    """path with every symbolic link followed, or a one-line error (a loop of links)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as err:  # RuntimeError: "Symlink loop from ..."
+        raise AttnlabError(f"{flag} {path} cannot be used: {err}") from None
+
+
 def check_out_location(out: Path, inputs: Sequence[str | Path] = ()) -> None:
     """Refuse an output directory that cannot be made, or whose replacement would lose an input.
 
@@ -87,6 +95,7 @@ def check_out_location(out: Path, inputs: Sequence[str | Path] = ()) -> None:
     command's inputs is refused, as is one that names no directory of its own ('.', '..', '/').
     """
     out = Path(out)
+    _resolved(out, "--out")
     if out.name in ("", ".", ".."):
         raise AttnlabError(f"--out {str(out)!r} names no directory of its own: give a new one")
     for source in map(Path, inputs):
@@ -102,10 +111,22 @@ def check_out_location(out: Path, inputs: Sequence[str | Path] = ()) -> None:
 def check_output_file(
     output: Path, overwrite: bool = False, inputs: Sequence[str | Path] = ()
 ) -> Path:
-    """output, if a file may go there: no directory, input or file within one; existing if overwrite."""
+    """Where to write output: no directory, input or file within one; existing if overwrite.
+
+    A symbolic link is written through (the file it names is replaced, the link stays); an
+    existing output that is not a regular file (a FIFO, a device) is refused, since the
+    atomic write would replace it with a file.
+    """
     output = Path(output)
+    resolved = _resolved(output, "--output")
+    if output.is_symlink():
+        output = resolved
     if output.is_dir():
         raise AttnlabError(f"--output {output} is a directory: name a file")
+    if output.exists() and not output.is_file():
+        raise AttnlabError(
+            f"--output {output} is not a regular file (a device or FIFO?): name a file"
+        )
     for source in map(Path, inputs):
         if source.exists() and source.resolve() in (output.resolve(), *output.resolve().parents):
             raise AttnlabError(f"--output {output} would replace the input {source}")
