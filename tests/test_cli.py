@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import VARIED_SENTENCES
+from safetensors.torch import load_file, save_file
 
 from attnlab.cli import main
 from attnlab.config import BertConfig
@@ -363,6 +364,23 @@ def test_an_out_in_a_loop_of_links_is_one_error_line(cli, tiny_dir, corpus, tmp_
         assert_one_error(*cli(*args), "cannot be used: Symlink loop")
 
 
+@pytest.mark.parametrize(
+    ("command", "redirect", "fragment"),
+    [
+        ("embed", "<&-", "standard input is closed"),
+        ("embed", ">&-", "standard output is closed"),
+        ("fill-mask", ">&-", "standard output is closed"),  # exited 0 having printed nothing
+    ],
+)
+def test_a_closed_stdin_or_stdout_is_one_error_line(tiny_dir, command, redirect, fragment):
+    args = f"-m attnlab {command} --model {tiny_dir} --threads 1"
+    if command == "fill-mask":
+        args += " 'a [MASK] b'"
+    line = f"{sys.executable} {args} {redirect}"
+    done = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=300)
+    assert_one_error(done.returncode, "", done.stderr, fragment)
+
+
 def test_export_refuses_a_non_empty_out_unless_overwrite(cli, tiny_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -617,6 +635,39 @@ def make_corrupt_weights(tiny_dir: Path, target: Path) -> None:
     (target / "model.safetensors").write_bytes(b"this is not a safetensors file" * 100)
 
 
+def make_edited_weights(edit: Callable[[dict], None]) -> Callable[[Path, Path], None]:
+    """A maker of a model dir whose model.safetensors has been changed by edit(state)."""
+
+    def make(tiny_dir: Path, target: Path) -> None:
+        link_files(tiny_dir, target, ("config.json", *TOKENIZER_FILES))
+        state = load_file(str(tiny_dir / "model.safetensors"))
+        edit(state)
+        save_file(state, str(target / "model.safetensors"))
+
+    return make
+
+
+def _nan_query(state: dict) -> None:
+    state["encoder.layer.0.attention.self.query.weight"][0, 0] = float("nan")
+
+
+def _integer_query(state: dict) -> None:
+    name = "encoder.layer.0.attention.self.query.weight"
+    state[name] = state[name].round().long()
+
+
+def _extra_layer(state: dict) -> None:  # weights of a layer beyond num_hidden_layers
+    for name in [k for k in state if k.startswith("encoder.layer.0.")]:
+        state[name.replace("layer.0.", "layer.7.")] = state[name].clone()
+
+
+def make_non_tensor_bin(tiny_dir: Path, target: Path) -> None:
+    link_files(tiny_dir, target, ("config.json", *TOKENIZER_FILES))
+    state = dict(load_file(str(tiny_dir / "model.safetensors")))
+    state["embeddings.word_embeddings.weight"] = [1, 2, 3]
+    torch.save(state, target / "pytorch_model.bin")
+
+
 def make_typed_wrong(**changes) -> Callable[[Path, Path], None]:
     """A maker of a model dir whose config.json holds values of the wrong JSON type."""
 
@@ -648,6 +699,11 @@ WEIGHT_PROBLEMS = {  # tokenize does not read weights
     "mis-shaped-weights": (make_mis_shaped_weights, ("(30522, 128)", "(30522, 256)")),
     "truncated-weights": (make_truncated_weights, ("cannot read weights",)),
     "corrupt-weights": (make_corrupt_weights, ("cannot read weights",)),
+    # before, these loaded in silence: NaN in every output, integers converted, a layer dropped
+    "nan-weights": (make_edited_weights(_nan_query), ("query.weight", "NaN or infinite")),
+    "integer-weights": (make_edited_weights(_integer_query), ("torch.int64, not floats",)),
+    "extra-layer": (make_edited_weights(_extra_layer), ("8 encoder layers", "num_hidden_layers")),
+    "non-tensor-bin": (make_non_tensor_bin, ("word_embeddings.weight'", "is not a tensor")),
 }
 BAD_MODEL_CASES = [
     pytest.param(name, command, id=f"{name}-{command}")

@@ -77,6 +77,8 @@ def read_lines(path: str | None) -> list[str]:
 
     if path not in (None, "-"):
         return read_text_lines(Path(path))
+    if sys.stdin is None:  # the shell closed it (<&-)
+        raise AttnlabError("standard input is closed: give the text in a file (--input FILE)")
     return decode_lines(sys.stdin.buffer.read(), "stdin")
 
 
@@ -773,6 +775,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; bad input, a refused file operation, no memory: one line on stderr, exit 2."""
     try:
+        if sys.stdout is None:  # the shell closed it (>&-): results would vanish
+            raise AttnlabError("standard output is closed: results are printed there")
         args = build_parser().parse_args(argv)
         _set_threads(args)
         args.func(args)

@@ -189,7 +189,13 @@ def bert_state_from_hf(state: dict[str, Tensor], model: nn.Module) -> dict[str, 
         if hf_name not in hf:
             missing.append(hf_name)
             return None
-        return hf[hf_name]
+        tensor = hf[hf_name]
+        # Integers would be converted in silence, NaN would turn every output into NaN.
+        if not tensor.is_floating_point():
+            raise AttnlabError(f"weight {hf_name} holds {tensor.dtype}, not floats")
+        if not bool(torch.isfinite(tensor).all()):
+            raise AttnlabError(f"weight {hf_name} holds NaN or infinite values")
+        return tensor
 
     for name in model.state_dict():
         plain = name[len(prefix) :] if name.startswith(prefix) else name
@@ -298,6 +304,9 @@ def read_weights(path: Path) -> dict[str, Tensor]:
                 state = torch.load(str(legacy), map_location="cpu", weights_only=True)
             if not isinstance(state, dict):
                 raise AttnlabError(f"{legacy}: expected a state dict")
+            odd = next((k for k, v in state.items() if not isinstance(v, Tensor)), None)
+            if odd is not None:
+                raise AttnlabError(f"{legacy}: entry {odd!r} is not a tensor")
             return state
     except AttnlabError:
         raise
@@ -323,6 +332,7 @@ def load_bert(
     path = Path(path)
     config = read_config(path)
     state = read_weights(path)
+    _check_layer_count(state, config.n_layers, path)
     has_pooler = any(k.endswith("pooler.dense.weight") for k in state)
     has_heads = any(k.startswith("cls.predictions") for k in state)
     has_sentence_head = any(k.startswith("cls.seq_relationship") for k in state)
@@ -346,6 +356,19 @@ def load_bert(
     return model.eval()
 
 
+def _check_layer_count(state: dict[str, Tensor], n_layers: int, path: Path) -> None:
+    """Refuse weights of more encoder layers than config.json has (they would be dropped)."""
+    found = {int(m.group(1)) for k in state if (m := _HF_LAYER_INDEX.search(k))}
+    if found and max(found) >= n_layers:
+        raise AttnlabError(
+            f"{path} holds weights of {max(found) + 1} encoder layers but config.json says "
+            f"num_hidden_layers {n_layers}"
+        )
+
+
+_HF_LAYER_INDEX = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.")
+
+
 def _load_checked(model: nn.Module, weights: dict[str, Tensor], path: Path) -> None:
     expected = model.state_dict()
     for name, tensor in weights.items():
@@ -356,6 +379,11 @@ def _load_checked(model: nn.Module, weights: dict[str, Tensor], path: Path) -> N
                 f"weight {name} in {path} has shape {tuple(tensor.shape)}, "
                 f"config.json implies {tuple(expected[name].shape)}"
             )
+        # Integers would be converted in silence, NaN would turn every output into NaN.
+        if expected[name].is_floating_point() and not tensor.is_floating_point():
+            raise AttnlabError(f"weight {name} in {path} holds {tensor.dtype}, not floats")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise AttnlabError(f"weight {name} in {path} holds NaN or infinite values")
     missing = [
         n for n in expected if n not in weights and not n.endswith("mlm.word_embeddings.weight")
     ]
@@ -486,6 +514,7 @@ def load_task_model(
     config = read_config(path)
     saved = checkpoint_task(path)
     state = read_weights(path)
+    _check_layer_count(state, config.n_layers, path)
     head = _head_state(state, task)
     if saved is not None and saved != task and not new_head:
         raise AttnlabError(
