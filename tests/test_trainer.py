@@ -547,6 +547,18 @@ def test_resume_warning_says_when_warmup_moved_with_steps(tmp_path: Path, capsys
     assert "warmup 2 (checkpoint: 1)" in err and "follows --steps" not in err
 
 
+def test_a_finished_run_resumed_reports_what_it_reported(tmp_path: Path) -> None:
+    # Before, the summary rebuilt from metrics.jsonl carried the row's "best": true flag
+    # among the metrics (finetune wrote it into results.json).
+    out = tmp_path / "run"
+    _, first = train(out, steps=6, eval_every=3, save_every=3, best_metric="loss", best_mode="min")
+    assert [r.get("best") for r in _rows(out) if r.get("eval")][-1] is True
+    _, again = train(out, steps=6, eval_every=3, save_every=3, best_metric="loss",
+                     best_mode="min", resume=True)  # fmt: skip
+    assert again["eval"] == first["eval"] and "best" not in again["eval"]
+    assert again["loss"] == first["loss"] and again["best"] == first["best"]
+
+
 def test_best_metric_must_be_one_the_evaluation_returns(tmp_path: Path) -> None:
     with pytest.raises(AttnlabError, match="best_metric 'f1' is not among"):
         train(tmp_path / "run", steps=4, eval_every=2, best_metric="f1")

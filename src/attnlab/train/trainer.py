@@ -427,8 +427,8 @@ class Trainer:
 
     def _last_row(self, eval_rows: bool) -> dict[str, Any]:
         for row in reversed(self.log.rows):
-            if bool(row.get("eval")) == eval_rows:
-                return {k: v for k, v in row.items() if k not in ("step", "eval")}
+            if bool(row.get("eval")) == eval_rows:  # as _log / _run_evaluation keep them
+                return {k: v for k, v in row.items() if k not in ("step", "eval", "best")}
         return {}
 
     def _elapsed(self) -> float:
