@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import itertools
+import json
 import os
 import pickle
 import sys
@@ -202,38 +203,60 @@ def test_corpus_streams_in_chunks(
         assert got == want
 
 
+def _corrupt_meta(directory: Path, lengths: object) -> None:
+    meta = json.loads((directory / "meta.json").read_text())
+    meta["lengths"] = lengths
+    (directory / "meta.json").write_text(json.dumps(meta))
+
+
 @pytest.mark.parametrize(
-    ("array", "index", "value", "detail"),
+    ("damage", "detail"),
     [
-        ("tokens", 2, 10**6, "outside the vocabulary"),
-        ("tokens", -1, -5, "outside the vocabulary"),
-        ("word_starts", 0, 7, "word-start flag"),
-        ("sentence_offsets", 2, 10**9, "not increasing"),
-        ("sentence_offsets", -1, 3, "does not run from 0"),
-        ("document_offsets", 1, 0, "not increasing"),
+        (("tokens", 2, 10**6), "a token id outside the vocabulary"),
+        (("tokens", -1, -5), "a token id outside the vocabulary"),
+        (("word_starts", 0, 7), "word-start flag"),
+        (("sentence_offsets", 2, 10**9), "not increasing"),
+        (("sentence_offsets", -1, 3), "does not run from 0"),
+        (("document_offsets", 1, 0), "not increasing"),
+        ("lengths-list", "lacks the arrays' lengths"),  # was an AttributeError
+        ("no-meta", None),  # was 'Directory not empty' on the rename of the new build
     ],
 )
-def test_a_corrupt_corpus_cache_is_refused_when_reused(
+def test_a_damaged_corpus_cache_is_built_again(
     tmp_path: Path,
     minilm_tokenizer: BertTokenizer,
     monkeypatch: pytest.MonkeyPatch,
-    array: str,
-    index: int,
-    value: int,
-    detail: str,
+    capsys: pytest.CaptureFixture,
+    damage: object,
+    detail: str | None,
 ) -> None:
-    # Right sizes, wrong bytes: before, examples were built from it and training failed
-    # mid-run (an IndexError, or an embedding lookup out of range).
+    # Right sizes, wrong bytes: before, examples were built from such a cache and training
+    # failed mid-run (an IndexError, or an embedding lookup out of range).
     monkeypatch.setattr(pretraining, "_VERIFY_CHUNK", 3)  # the checks cross chunk edges
     path = _write_blank_separated(tmp_path / "corpus.txt", ENGLISH_DOCS)
     corpus = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
-    TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")  # a sound one is reused
-    dtype = pretraining._ARRAYS[array]
-    data = np.fromfile(corpus.directory / f"{array}.bin", dtype=dtype)
-    data[index] = value
-    data.tofile(corpus.directory / f"{array}.bin")
-    with pytest.raises(AttnlabError, match=f"corrupt \\(.*{detail}.*delete that directory"):
-        TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
+    sound = {name: np.array(getattr(corpus, name)) for name in pretraining._ARRAYS}
+    again = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
+    assert again.directory == corpus.directory and capsys.readouterr().err == ""  # reused
+    if damage == "lengths-list":
+        _corrupt_meta(corpus.directory, [1, 2])
+    elif damage == "no-meta":
+        (corpus.directory / "meta.json").unlink()
+    else:
+        array, index, value = damage
+        data = np.fromfile(corpus.directory / f"{array}.bin", dtype=pretraining._ARRAYS[array])
+        data[index] = value
+        data.tofile(corpus.directory / f"{array}.bin")
+    rebuilt = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
+    err = capsys.readouterr().err
+    if detail is not None:
+        assert (
+            err.startswith("warning: ") and detail in err and "tokenizing the corpus again" in err
+        )
+    assert rebuilt.directory == corpus.directory
+    for name, values in sound.items():
+        assert np.array_equal(getattr(rebuilt, name), values), name
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [corpus.directory.name]
 
 
 def test_empty_corpus_is_an_error(tmp_path: Path, minilm_tokenizer: BertTokenizer) -> None:

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -176,18 +177,19 @@ class TokenizedCorpus:
                 f"{self.directory} is not a tokenized corpus (cannot read meta.json: {error})"
             ) from error
         if not isinstance(meta, dict) or meta.get("format") != _CACHE_FORMAT:
-            raise AttnlabError(
-                f"{meta_path} is not a tokenized corpus of format {_CACHE_FORMAT}: rebuild it"
-            )
+            raise AttnlabError(f"{meta_path} is not a tokenized corpus of format {_CACHE_FORMAT}")
         self.meta = meta
+        lengths = meta.get("lengths")
+        if not isinstance(lengths, dict):
+            raise AttnlabError(f"{meta_path} lacks the arrays' lengths")
         for name, dtype in _ARRAYS.items():
             path = self.directory / f"{name}.bin"
-            length = meta.get("lengths", {}).get(name)
+            length = lengths.get(name)
             if not isinstance(length, int):
-                raise AttnlabError(f"{meta_path} lacks the length of {name}: rebuild the cache")
+                raise AttnlabError(f"{meta_path} lacks the length of {name}")
             expected = length * np.dtype(dtype).itemsize
             if not path.is_file() or path.stat().st_size != expected:
-                raise AttnlabError(f"{path} is missing or truncated: rebuild the corpus cache")
+                raise AttnlabError(f"{path} is missing or truncated")
             setattr(self, name, np.memmap(path, dtype=dtype, mode="r", shape=(length,)))
 
     def verify(self, vocab_size: int) -> None:
@@ -200,10 +202,7 @@ class TokenizedCorpus:
         """
 
         def corrupt(detail: str) -> AttnlabError:
-            return AttnlabError(
-                f"corpus cache {self.directory} is corrupt ({detail}): delete that directory "
-                "and run again to rebuild it"
-            )
+            return AttnlabError(f"corpus cache {self.directory} is corrupt ({detail})")
 
         for name, end in (
             ("sentence_offsets", self.n_tokens),
@@ -253,10 +252,14 @@ class TokenizedCorpus:
                 raise AttnlabError(f"corpus file {path} not found")
         cache_root = Path(cache_dir)
         target = cache_root / _fingerprint(paths, tokenizer, chinese_words)
-        if (target / "meta.json").is_file():
-            corpus = cls(target)
-            corpus.verify(tokenizer.vocab_size)
-            return corpus
+        damaged = target.exists()  # built caches are renamed into place whole
+        if damaged:
+            try:
+                corpus = cls(target)
+                corpus.verify(tokenizer.vocab_size)
+                return corpus
+            except AttnlabError as err:  # damaged since it was written: made again below
+                print(f"warning: {err}: tokenizing the corpus again", file=sys.stderr)
         segmenter = _jieba() if chinese_words else None
 
         cache_root.mkdir(parents=True, exist_ok=True)
@@ -266,6 +269,8 @@ class TokenizedCorpus:
         scratch.mkdir()
         try:
             _write_corpus(paths, tokenizer, segmenter, scratch, progress)
+            if damaged and target.is_dir():
+                shutil.rmtree(target)
             try:
                 os.rename(scratch, target)
             except OSError:
