@@ -599,6 +599,11 @@ def make_invalid_json(tiny_dir: Path, target: Path) -> None:
     (target / "config.json").write_text('{"hidden_size": 128,\n')
 
 
+def make_deep_json(tiny_dir: Path, target: Path) -> None:  # was a RecursionError
+    link_files(tiny_dir, target, ("model.safetensors", *TOKENIZER_FILES))
+    (target / "config.json").write_text("[" * 100_000)
+
+
 def make_contradictory(tiny_dir: Path, target: Path) -> None:
     link_files(tiny_dir, target, ("model.safetensors", *TOKENIZER_FILES))
     _copy_config(tiny_dir, target, hidden_size=100, num_attention_heads=12)
@@ -683,6 +688,7 @@ CONFIG_PROBLEMS = {
     "empty-dir": (make_empty, ("config.json not found",)),
     "readme-only": (make_readme_only, ("config.json not found",)),
     "invalid-json": (make_invalid_json, ("config.json", "not valid JSON")),
+    "deep-json": (make_deep_json, ("config.json", "not valid JSON", "recursion")),
     "contradictory": (make_contradictory, ("d_model (100)", "n_heads (12)")),
     "bogus-position-encoding": (make_bogus_position_encoding, ("position encoding 'bogus'",)),
     "unknown-attnlab-setting": (make_unknown_attnlab_setting, ("'preset'",)),

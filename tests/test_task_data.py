@@ -67,6 +67,13 @@ def test_read_csv_with_quoted_fields_counts_lines(tmp_path, gz):
     ]
 
 
+@pytest.mark.parametrize("line", ["[" * 100_000, '{"text": "a", "label": ' + "9" * 5000 + "}"])
+def test_read_jsonl_too_deep_or_too_long_a_number_is_named(tmp_path, line):
+    # were a RecursionError and a ValueError traceback
+    with pytest.raises(AttnlabError, match=r"t\.jsonl, line 1: not valid JSON"):
+        read_table(write(tmp_path / "t.jsonl", line + "\n"))
+
+
 @pytest.mark.parametrize("gz", ["", ".gz"])
 def test_read_jsonl_numbers_become_floats(tmp_path, gz):
     lines = [{"text": "a", "label": 1}, {"text": "b", "label": 2.5}, {"text": "c", "label": "pos"}]
@@ -311,6 +318,15 @@ def test_read_squad_fixes_offsets_to_nearest_occurrence(tmp_path):
         read_squad(path, fix_offsets=False)
 
 
+def _squad_with(question: object = "Where?", text: object = "ab", answer_start: object = 0) -> str:
+    """One-question SQuAD JSON text with the given fields (answer_start may be raw JSON)."""
+    answer = json.dumps({"text": text, "answer_start": 0}).replace(
+        '"answer_start": 0', f'"answer_start": {answer_start}'
+    )
+    qa = f'{{"id": "q1", "question": {json.dumps(question)}, "answers": [{answer}]}}'
+    return f'{{"data": [{{"paragraphs": [{{"context": "ab cd", "qas": [{qa}]}}]}}]}}'
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
@@ -318,6 +334,13 @@ def test_read_squad_fixes_offsets_to_nearest_occurrence(tmp_path):
         ('{"data": [{"paragraphs": [{"qas": []}]}]}', "not SQuAD-style JSON"),
         ('{"data": []}', "holds no questions"),
         ("{", "not valid JSON"),
+        # each was a traceback, or trained on the text "None" / a blank answer
+        ("[" * 100_000, "not valid JSON"),
+        ('{"data": [' + "9" * 5000 + "]}", "not valid JSON"),
+        (_squad_with(answer_start="Infinity"), "not SQuAD-style JSON"),
+        (_squad_with(question=None), "question 'q1' is not a string"),
+        (_squad_with(question=["a", "b"]), "question 'q1' is not a string"),
+        (_squad_with(text="  "), "question 'q1' has an empty answer"),
     ],
 )
 def test_read_squad_errors(tmp_path, content, message):

@@ -125,7 +125,7 @@ class _JsonConfig:
         """Read a JSON file written by save."""
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             raise AttnlabError(f"cannot read {cls.__name__} {path}: {exc}") from exc
         return cls.from_dict(data)
 

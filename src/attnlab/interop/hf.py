@@ -277,7 +277,7 @@ def read_config(path: Path) -> BertConfig:
         raise AttnlabError(f"config.json not found in {path}: is this a BERT checkpoint?")
     try:
         data = json.loads(config_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except (ValueError, RecursionError) as err:  # also too deep, or an integer too long
         raise AttnlabError(f"{config_file}: not valid JSON ({err})") from None
     return config_from_hf(data, str(config_file))
 

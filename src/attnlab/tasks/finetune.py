@@ -756,7 +756,7 @@ def load_finetuned(
     if settings_file.is_file():
         try:
             saved = json.loads(settings_file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        except (ValueError, RecursionError) as err:  # also too deep, or an integer too long
             raise AttnlabError(f"{settings_file}: not valid JSON ({err})") from None
         if not isinstance(saved, dict):
             raise AttnlabError(f"{settings_file}: expected a JSON object of settings")

@@ -117,7 +117,7 @@ def read_model_config(model_dir: Path) -> TransformerConfig:
         raise AttnlabError(f"no {CONFIG_FILE} in {model_dir}: is this a translation model?")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:
         raise AttnlabError(f"cannot read {path}: {err}") from None
     kind = data.get("model_type") if isinstance(data, dict) else None
     if kind != MODEL_TYPE:

@@ -172,7 +172,7 @@ class TokenizedCorpus:
         meta_path = self.directory / "meta.json"
         try:
             meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        except (OSError, ValueError, RecursionError) as error:
             raise AttnlabError(
                 f"{self.directory} is not a tokenized corpus (cannot read meta.json: {error})"
             ) from error

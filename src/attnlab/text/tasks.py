@@ -73,7 +73,7 @@ def _read_json(path: Path) -> object:
     text = "".join(_lines(path))
     try:
         return json.loads(text)
-    except json.JSONDecodeError as error:
+    except (ValueError, RecursionError) as error:  # also too deep, or an integer too long
         raise AttnlabError(f"{path}: not valid JSON ({error})") from error
 
 
@@ -205,7 +205,7 @@ def _jsonl_rows(path: Path, wanted: list[str]) -> Iterator[tuple[int, dict]]:
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as error:
+        except (ValueError, RecursionError) as error:  # also too deep, or an integer too long
             raise AttnlabError(f"{path}, line {number}: not valid JSON ({error})") from error
         if not isinstance(row, dict):
             raise AttnlabError(f"{path}, line {number}: expected a JSON object")
@@ -616,10 +616,11 @@ def read_squad(
                     unlocated += len(others)
                     # A question may be empty (CMRC 2018's trial set has one): the model
                     # still reads the passage, and the official scripts score it.
-                    examples.append(
-                        QAExample(qid, title, str(qa["question"]), context, answers, others)
-                    )
-    except (KeyError, TypeError, ValueError, AttributeError) as error:
+                    question = qa["question"]
+                    if not isinstance(question, str):  # str() would train on "None" or "['a']"
+                        raise AttnlabError(f"{path}: question {qid!r} is not a string")
+                    examples.append(QAExample(qid, title, question, context, answers, others))
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as error:
         raise AttnlabError(
             f"{path}: not SQuAD-style JSON near question {qid!r} ({type(error).__name__}: {error})"
         ) from error
@@ -642,7 +643,7 @@ def _locate_answer(
     path: Path, qid: str, context: str, text: str, start: int, fix_offsets: bool
 ) -> int | None:
     """Where answer `text` starts in `context`: `start` when right, else see read_squad."""
-    if not text:
+    if not isinstance(text, str) or not text.strip():  # blank: no span to point at
         raise AttnlabError(f"{path}: question {qid!r} has an empty answer")
     if start >= 0 and context[start : start + len(text)] == text:
         return start

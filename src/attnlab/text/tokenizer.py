@@ -402,7 +402,7 @@ def _read_json(path: Path) -> object:
     """Parse a JSON file, naming it in any error."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # ValueError: bad text or JSON
         raise AttnlabError(f"cannot read {path}: {error}") from error
 
 

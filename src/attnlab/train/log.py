@@ -21,7 +21,7 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # a line cut short by a kill
             continue
         if isinstance(row, dict) and isinstance(row.get("step"), int):
             rows.append(row)
