@@ -699,6 +699,16 @@ CONFIG_PROBLEMS = {
     "bool-size": (make_typed_wrong(type_vocab_size=True), ("type_vocab_size must be an integer",)),
     "list-activation": (make_typed_wrong(hidden_act=["gelu"]), ("hidden_act ['gelu']",)),
     "huge-size": (make_typed_wrong(intermediate_size=10**12), ("d_ff must be", "below 2**31")),
+    # were accepted (every output NaN) or a traceback at the model's build
+    "negative-eps": (make_typed_wrong(layer_norm_eps=-1.0), ("layer_norm_eps must be >= 0",)),
+    "negative-buckets": (
+        make_typed_wrong(attnlab={"position_encoding": "relative_bias", "relative_buckets": -3}),
+        ("relative_buckets must be a positive integer, got -3",),
+    ),
+    "negative-rope-base": (
+        make_typed_wrong(attnlab={"position_encoding": "rope", "rope_base": -1.0}),
+        ("rope_base must be > 0",),
+    ),
 }
 WEIGHT_PROBLEMS = {  # tokenize does not read weights
     "missing-weights": (make_missing_weights, ("no model.safetensors",)),

@@ -241,3 +241,17 @@ def test_save_load_round_trip_with_tied_weights(tmp_path, share: bool, tie: bool
                 fresh.target_embedding.weight[5] += torch.randn(32)
                 moved = fresh(src, tgt, src_mask=mask)["logits"]
             assert (moved[..., 5] - expected[..., 5]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"layer_norm_eps": -1e-5}, "layer_norm_eps must be >= 0"),
+        ({"relative_buckets": -2}, "relative_buckets must be a positive integer"),
+        ({"rope_base": -5.0}, "rope_base must be > 0"),
+    ],
+)
+def test_negative_norm_and_position_settings_are_refused(setting, message) -> None:
+    # A translation model's config.json with these loaded (NaN outputs) or crashed at build.
+    with pytest.raises(AttnlabError, match=message):
+        TransformerConfig.preset("transformer-small", **setting)

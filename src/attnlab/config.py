@@ -213,6 +213,7 @@ class BertConfig(_JsonConfig):
                 (self.d_model // self.n_heads) % 2 == 0,
                 "config: rope needs an even head size (d_model / n_heads)",
             )
+        _check_norm_and_positions(self)
 
     @property
     def d_head(self) -> int:
@@ -228,6 +229,19 @@ class BertConfig(_JsonConfig):
     def presets(cls) -> dict[str, dict[str, Any]]:
         """The named sizes: bert-tiny ... bert-large."""
         return BERT_PRESETS
+
+
+def _check_norm_and_positions(config: BertConfig | TransformerConfig) -> None:
+    """Refuse a negative LayerNorm epsilon, relative-position table size or RoPE base."""
+    # Each would fail the model's build or make every output NaN.
+    _check(
+        config.layer_norm_eps >= 0,
+        f"config: layer_norm_eps must be >= 0, got {config.layer_norm_eps!r}",
+    )
+    for name in ("relative_buckets", "relative_max_distance"):
+        value = getattr(config, name)
+        _check(0 < value < 2**31, f"config: {name} must be a positive integer, got {value!r}")
+    _check(config.rope_base > 0, f"config: rope_base must be > 0, got {config.rope_base!r}")
 
 
 def _sizes(n_layers: int, d_model: int, n_heads: int) -> dict[str, int]:
@@ -327,6 +341,7 @@ class TransformerConfig(_JsonConfig):
                 (self.d_model // self.n_heads) % 2 == 0,
                 "config: rope needs an even head size (d_model / n_heads)",
             )
+        _check_norm_and_positions(self)
         for name in ("share_embeddings", "tie_output"):
             _check(
                 isinstance(getattr(self, name), bool),
