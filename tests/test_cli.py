@@ -557,6 +557,14 @@ def test_fill_mask_refuses_a_tokenizer_larger_than_the_model(cli, tiny_mlm_dir, 
     assert_one_error(*result, "30522 tokens", "vocab_size 1000")
 
 
+def test_fill_mask_names_text_that_is_not_utf8(cli, tiny_mlm_dir):
+    # A non-UTF-8 byte in an argument reaches Python as a lone surrogate: it was a TypeError
+    # from the tokenizer.
+    text = b"caf\xe9 [MASK]".decode("utf-8", "surrogateescape")
+    message = assert_one_error(*cli("fill-mask", "--model", tiny_mlm_dir, "ok [MASK]", text))
+    assert "text 2 is not valid UTF-8 (byte 0xe9 at character 4)" in message
+
+
 def test_fill_mask_on_text_longer_than_the_model(cli, tiny_mlm_dir):
     words = " ".join(["word"] * 2 * TINY_MAX_POSITIONS)
     message = assert_one_error(*cli("fill-mask", "--model", tiny_mlm_dir, f"{words} [MASK]"))

@@ -625,6 +625,15 @@ def test_evaluate_and_predict_refuse_bad_settings_and_outputs(tiny_dir, tmp_path
     assert result[0] == 0, result
     assert (tmp_path / "link.jsonl").is_symlink()  # written through: the link stays
     assert (tmp_path / "notes.txt").read_text().startswith("{")
+    # id2label that does not fit the head: a traceback (zip) or labels such as "None" before
+    config = json.loads((model / "config.json").read_text())
+    for id2label, fragment in (({"0": "a", "1": "b", "2": "c"}, "names 3 labels"),
+                               ({"0": None, "1": "b"}, "names must be strings, got None")):  # fmt: skip
+        (model / "config.json").write_text(json.dumps({**config, "id2label": id2label}))
+        result = run(capsys, "predict", "--model", model, "--input", data,
+                     "--output", tmp_path / "p.jsonl", "--overwrite")  # fmt: skip
+        assert_one_error(result, fragment)
+    (model / "config.json").write_text(json.dumps(config))
     # a damaged finetune.json is named, and its task cannot contradict the model's head
     settings = model / "finetune.json"
     for text, fragment in (("[1]", "expected a JSON object"),

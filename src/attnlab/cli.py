@@ -174,9 +174,10 @@ def cmd_embed(args: argparse.Namespace) -> None:
         ),
     )
     out = sys.stdout
-    for vector in vectors:
-        out.write(json.dumps([round(v, 7) for v in vector.tolist()] if vector.dim() == 1 else
-                             [[round(v, 7) for v in row] for row in vector.tolist()]) + "\n")  # fmt: skip
+    for vector in vectors:  # strict JSON: a NaN (an overflow) is null, as in _print_json
+        values = ([round(v, 7) for v in vector.tolist()] if vector.dim() == 1 else
+                  [[round(v, 7) for v in row] for row in vector.tolist()])  # fmt: skip
+        out.write(json.dumps(_finite(values), allow_nan=False) + "\n")
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -337,6 +338,14 @@ def cmd_fill_mask(args: argparse.Namespace) -> None:
     """Print the top-k fillers of each [MASK] with their probabilities."""
     from attnlab.tasks.pretrain import fill_mask
 
+    for number, text in enumerate(args.text, 1):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:  # bytes Python kept as lone surrogates
+            raise AttnlabError(
+                f"text {number} is not valid UTF-8 (byte {ord(text[err.start]) - 0xDC00:#04x} "
+                f"at character {err.start + 1})"
+            ) from None
     model, tokenizer = _load(args.model, mlm=True)
     for text in args.text:
         predictions = fill_mask(
@@ -346,7 +355,7 @@ def cmd_fill_mask(args: argparse.Namespace) -> None:
             ),
         )  # fmt: skip
         if args.json:
-            print(json.dumps({"text": text, "masks": predictions}, ensure_ascii=False))
+            _print_json({"text": text, "masks": predictions})
             continue
         print(text)
         for i, options in enumerate(predictions, 1):

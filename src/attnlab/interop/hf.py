@@ -472,7 +472,10 @@ def checkpoint_labels(path: str | Path) -> list[str] | None:
         raise AttnlabError(f"{path}/config.json: id2label keys must be integers") from None
     if ids != list(range(len(ids))):
         raise AttnlabError(f"{path}/config.json: id2label ids must be 0..{len(ids) - 1}")
-    by_id = {int(i): str(name) for i, name in id2label.items()}
+    odd = [name for name in id2label.values() if not isinstance(name, str)]
+    if odd:  # str() would make labels such as "None" or "['x']"
+        raise AttnlabError(f"{path}/config.json: id2label names must be strings, got {odd[0]!r}")
+    by_id = {int(i): name for i, name in id2label.items()}
     return [by_id[i] for i in ids]
 
 

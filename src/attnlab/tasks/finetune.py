@@ -787,7 +787,13 @@ def load_finetuned(
         raise AttnlabError(f"{model_dir} lacks trained weights for its {', '.join(fresh)}")
     labels = None
     if saved_task in ("classify", "ner"):
-        labels = task_data.LabelSet("classes", checkpoint_labels(model_dir) or [])
+        names = checkpoint_labels(model_dir) or []
+        if len(names) != model.num_labels:  # predictions would be named by the wrong list
+            raise AttnlabError(
+                f"{model_dir}/config.json names {len(names)} labels in id2label, but its head "
+                f"has {model.num_labels} outputs"
+            )
+        labels = task_data.LabelSet("classes", names)
     elif saved_task == "regress":
         labels = task_data.LabelSet("scores", [])
     return FinetunedModel(model.to(_device()).eval(), tokenizer, labels, settings)
