@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from attnlab.cli import main
 from attnlab.config import BertConfig
@@ -506,6 +506,31 @@ def test_squad_training_question_without_answers_is_refused(tiny_dir, tmp_path, 
     assert_one_error(run(capsys, *args), "'q2'", 'no "answers" list', '"answers": []')
     assert not out.exists()
     assert len(read_examples("qa", train, {"_scoring": False}, labelled=False)) == 8
+
+
+def test_pairs_on_a_one_segment_model_and_one_class_are_refused(tiny_dir, tmp_path, capsys):
+    # Before: an IndexError after the fresh-head notice (and an empty --out left), and a
+    # one-output "classifier" that scored 1.0.
+    one_type = tmp_path / "one_type"
+    shutil.copytree(tiny_dir, one_type)
+    config = json.loads((one_type / "config.json").read_text())
+    (one_type / "config.json").write_text(json.dumps({**config, "type_vocab_size": 1}))
+    weights = load_file(str(one_type / "model.safetensors"))
+    name = "embeddings.token_type_embeddings.weight"
+    save_file({**weights, name: weights[name][:1].clone()}, str(one_type / "model.safetensors"))
+    out = tmp_path / "out"
+    args = ["finetune", "--task", "regress", "--model", one_type, "--train", DATA / "sts.csv",
+            "--text-column", "sentence1", "--text-pair-column", "sentence2",
+            "--label-column", "score", "--out", out, "--steps", "1"]  # fmt: skip
+    assert_one_error(run(capsys, *args), "one token type (type_vocab_size 1)")
+    args[2] = "qa"
+    assert_one_error(run(capsys, *args[:3], "--model", one_type, "--train", DATA / "squad.json",
+                         "--out", out), "one token type")  # fmt: skip
+    assert not out.exists()
+    single = write(tmp_path / "one.tsv", "sentence\tlabel\ngood film\tpos\nnice one\tpos\n")
+    args = finetune_args(tiny_dir, single, out, "--text-column", "sentence")
+    assert_one_error(run(capsys, *args), "every example has the label 'pos'", "two classes")
+    assert not out.exists()
 
 
 def test_fix_answer_offsets_moves_wrong_offsets_and_drops_absent_answers(

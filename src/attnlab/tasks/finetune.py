@@ -546,8 +546,16 @@ def load_tokenizer(model_dir: Path) -> BertTokenizer:
     return tokenizer
 
 
-def _check_max_length(settings: dict[str, Any], model_dir: Path) -> None:
-    limit = read_config(model_dir).max_positions
+def _check_model_fits(task: str, settings: dict[str, Any], model_dir: Path) -> None:
+    """Refuse a --max-length beyond the model's positions, and text pairs it has no segment for."""
+    config = read_config(model_dir)
+    pairs = task == "qa" or (task in ("classify", "regress") and settings.get("text_pair_column"))
+    if pairs and config.type_vocab_size < 2:  # the second text's segment id 1 has no embedding
+        raise AttnlabError(
+            f"{model_dir} has one token type (type_vocab_size 1): it cannot tell the two texts "
+            f"of a pair apart, which task {task!r} with these settings needs"
+        )
+    limit = config.max_positions
     if settings["max_length"] > limit:
         raise AttnlabError(
             f"--max-length {settings['max_length']} is above the model's maximum ({limit})"
@@ -623,9 +631,14 @@ def prepare(opts: FinetuneOptions) -> FinetuneRun:
         "_fix_offsets": opts.fix_answer_offsets,
         "_train_answers": opts.train_answers,
     }
-    _check_max_length(settings, opts.model)
+    _check_model_fits(opts.task, settings, opts.model)
     train = read_examples(opts.task, opts.train, settings, labelled=True)
     labels = label_set_of(opts.task, train)
+    if opts.task == "classify" and labels is not None and labels.num_labels < 2:
+        raise AttnlabError(
+            f"{opts.train}: every example has the label {labels.names[0]!r}: classification "
+            "needs at least two classes"
+        )
     torch.manual_seed(opts.seed)  # a fresh head's initial weights are part of the run
     model, labels, fresh = initial_model(opts, labels)
     train_data = featurise(opts.task, tokenizer, train, labels, settings, opts.train)
@@ -780,7 +793,7 @@ def load_finetuned(
     settings.update({k: v for k, v in (overrides or {}).items() if v is not None})
     if settings["max_length"] is None:
         settings["max_length"] = DEFAULT_MAX_LENGTH[saved_task]
-    _check_max_length(settings, model_dir)
+    _check_model_fits(saved_task, settings, model_dir)
     tokenizer = load_tokenizer(model_dir)
     model, fresh = load_task_model(model_dir, saved_task)
     if fresh:
