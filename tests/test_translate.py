@@ -292,11 +292,23 @@ def test_empty_valid_files_are_refused_not_skipped(data, cli, tmp_path):
         (["--max-len-a", "inf"], "finite"),
         (["--length-penalty", "nan"], "--length-penalty"),
         (["--beam", "9223372036854775807"], "--beam must be from 1 to 1024"),
+        (["--length-penalty", 1000], "--length-penalty must be from -50.0 to 50.0"),  # overflowed
     ],
-    ids=["below-one", "negative", "infinite", "nan-penalty", "huge-beam"],
+    ids=["below-one", "negative", "infinite", "nan-penalty", "huge-beam", "huge-penalty"],
 )
 def test_decoding_settings_that_give_no_output_are_refused(run_dir, cli, flags, fragment):
     assert_one_error(*cli("translate", "--model", run_dir[0], *flags, stdin="Hallo\n"), fragment)
+
+
+def test_a_huge_max_len_is_capped_at_the_models_positions(run_dir, cli):
+    # a * len + b past int64 became the minimum int, clamped to 0: every output line empty
+    flags = ["--greedy", "--max-len-b", "0"]
+    code, huge, err = cli("translate", "--model", run_dir[0], "--max-len-a", "1e20", *flags,
+                          stdin="Der Mann liest.\n")  # fmt: skip
+    assert code == 0, err
+    _, capped, _ = cli("translate", "--model", run_dir[0], "--max-len-a", "1000", *flags,
+                       stdin="Der Mann liest.\n")  # fmt: skip
+    assert huge == capped and huge.strip()
 
 
 def test_score_of_empty_files_and_unknown_tokenizer(run_dir, cli, tmp_path):

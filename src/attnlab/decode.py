@@ -58,9 +58,10 @@ def _prepare(
     if src_mask is None:
         src_mask = src_ids != model.config.pad_id
     src_mask = src_mask.to(torch.bool)
-    max_lens = (a * src_mask.sum(-1).double() + b).long()
-    # The last step reads positions 0..max_len (bos + max_len tokens).
-    return src_mask, max_lens.clamp(min=0, max=model.config.max_positions - 1)
+    # The last step reads positions 0..max_len (bos + max_len tokens). Clamped before the
+    # cast: a huge a or b would overflow int64 (to the minimum, clamped to 0: empty outputs).
+    max_lens = (a * src_mask.sum(-1).double() + b).clamp(0, model.config.max_positions - 1)
+    return src_mask, max_lens.long()
 
 
 def _banned_tokens(model: Transformer) -> list[int]:

@@ -62,6 +62,9 @@ from attnlab.train.trainer import (
     holds_run,
 )
 
+# GNMT's alpha is about 0.6-1 in practice; ((5 + L) / 6) ** alpha overflows a float (an
+# OverflowError) from about alpha 100 at a thousand tokens.
+MAX_LENGTH_PENALTY = 50.0
 MODEL_TYPE = "attnlab-transformer"  # config.json marker of a translation model directory
 CONFIG_FILE = "config.json"
 BEST_DIR = "best"
@@ -184,8 +187,11 @@ def translate_lines(
             f"--max-len-a and --max-len-b must be finite, >= 0 and sum to at least 1 "
             f"(got {max_len_a}, {max_len_b})"
         )
-    if not math.isfinite(length_penalty):
-        raise AttnlabError(f"--length-penalty must be a finite number, got {length_penalty}")
+    if not -MAX_LENGTH_PENALTY <= length_penalty <= MAX_LENGTH_PENALTY:  # NaN fails too
+        raise AttnlabError(
+            f"--length-penalty must be from {-MAX_LENGTH_PENALTY} to {MAX_LENGTH_PENALTY}, "
+            f"got {length_penalty}"
+        )
     config = model.config
     todo = [i for i, line in enumerate(lines) if line.strip()]
     ids, truncated = [], 0
