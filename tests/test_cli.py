@@ -455,6 +455,14 @@ def corpus(tmp_path) -> Path:
     return file
 
 
+def test_tokenizer_train_says_why_a_vocabulary_exceeds_the_size_asked(cli, corpus, tmp_path):
+    code, _, err = cli("tokenizer", "train", "--type", "bpe", "--corpus", corpus,
+                       "--vocab-size", "10", "--out", tmp_path / "bpe")  # fmt: skip
+    assert code == 0, err
+    size = int(err.split("vocabulary of ")[1].split()[0])
+    assert size > 10 and "note: more than --vocab-size 10" in err
+
+
 def test_tokenizer_train_output_loads_in_attnlab_and_transformers(cli, corpus, tmp_path):
     from transformers import BertTokenizerFast
 

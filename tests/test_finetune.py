@@ -533,6 +533,22 @@ def test_pairs_on_a_one_segment_model_and_one_class_are_refused(tiny_dir, tmp_pa
     assert not out.exists()
 
 
+def test_fix_answer_offsets_leaving_no_question_is_named(tiny_dir, tmp_path, capsys):
+    data = json.loads((DATA / "squad.json").read_text())
+    for article in data["data"]:
+        for paragraph in article["paragraphs"]:
+            for qa in paragraph["qas"]:
+                qa["answers"] = [{"text": "Zagreb", "answer_start": 0}]  # in no context
+    train = write(tmp_path / "none.json", json.dumps(data))
+    args = finetune_args(tiny_dir, train, tmp_path / "out", "--max-length", "64",
+                         "--doc-stride", "16")  # fmt: skip
+    args[2] = "qa"
+    code, out, err = run(capsys, *args, "--fix-answer-offsets")
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1].endswith("no question has its answer in its context: nothing "
+                                         "to train on")  # fmt: skip
+
+
 def test_fix_answer_offsets_moves_wrong_offsets_and_drops_absent_answers(
     tiny_dir, tmp_path, capsys
 ):

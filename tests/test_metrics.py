@@ -108,6 +108,14 @@ def test_entity_metrics_span_must_match_exactly():
     assert entity_metrics([["O", "B-LOC", "I-LOC"]], [["O", "I-LOC", "I-LOC"]])["f1"] == 1.0
 
 
+def test_entity_metrics_without_entities_are_zero_and_silent(recwarn):
+    # seqeval warned (two lines on stderr) when no gold or no predicted entity existed
+    assert entity_metrics([["O", "O"]], [["O", "B-PER"]]) == {"precision": 0.0, "recall": 0.0,
+                                                              "f1": 0.0}  # fmt: skip
+    assert entity_metrics([["B-PER", "O"]], [["O", "O"]])["precision"] == 0.0
+    assert len(recwarn) == 0
+
+
 def test_entity_metrics_rejects_length_mismatch():
     with pytest.raises(AttnlabError, match="sentence 0: 1 predicted tags for 2 words"):
         entity_metrics([["O", "O"]], [["O"]])

@@ -231,6 +231,11 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> None:
         tokenizer.save(stage)
     kind = "BPE" if args.type == "bpe" else "WordPiece"
     _say(f"trained a {kind} vocabulary of {tokenizer.vocab_size} tokens -> {args.out}")
+    if tokenizer.vocab_size > vocab_size:
+        _say(
+            f"note: more than --vocab-size {vocab_size}: the corpus's characters and the "
+            "special tokens alone take that many"
+        )
 
 
 def _yaml_load(text: str) -> object:

@@ -218,6 +218,10 @@ def read_examples(task: str, path: Path, settings: dict[str, Any], labelled: boo
     if training:  # a question whose answer is nowhere in its context cannot be a target
         # (A question with no answers at all stays: it trains the [CLS] "no answer" target.)
         answerable = [e for e in examples if e.answers or not e.other_answers]
+        if not answerable:
+            raise AttnlabError(
+                f"{path}: no question has its answer in its context: nothing to train on"
+            )
         if len(answerable) < len(examples):
             _say(
                 f"warning: {path}: {len(examples) - len(answerable)} question(s) whose answer "
