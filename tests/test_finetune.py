@@ -324,6 +324,27 @@ def test_classify_end_to_end_keeps_the_best_dev_model(tiny_dir, tmp_path, capsys
     )  # fmt: skip
 
 
+def test_results_json_is_strict_json_when_a_score_is_undefined(tiny_dir, tmp_path, capsys):
+    # Equal gold scores leave the correlations undefined (NaN): results.json held a bare NaN,
+    # which strict JSON readers refuse; it is null, as in the printed summary.
+    rows = (DATA / "sts.csv").read_text().splitlines()
+    flat = [rows[0], *(",".join([*row.rsplit(",", 1)[:1], "3.0"]) for row in rows[1:])]
+    dev = write(tmp_path / "flat.csv", "\n".join(flat) + "\n")
+    out = tmp_path / "sts"
+    code, _, err = run(
+        capsys, "finetune", "--task", "regress", "--model", tiny_dir, "--train", DATA / "sts.csv",
+        "--dev", dev, "--text-column", "sentence1", "--text-pair-column", "sentence2",
+        "--label-column", "score", "--out", out, "--steps", "2", "--batch-size", "4", *FAST,
+    )  # fmt: skip
+    assert code == 0, err
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in results.json")
+
+    results = json.loads((out / "results.json").read_text(), parse_constant=refuse)
+    assert results["final"]["eval"]["pearson"] is None
+
+
 def test_regress_pairs_end_to_end(tiny_dir, tmp_path, capsys):
     from scipy.stats import pearsonr, spearmanr
 

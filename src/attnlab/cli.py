@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from attnlab.errors import AttnlabError
+from attnlab.io import json_safe
 
 if TYPE_CHECKING:
     from attnlab.models.bert import BertModel
@@ -39,20 +39,9 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _finite(value: object) -> object:
-    """value with every NaN or infinite float (inside dicts and lists too) replaced by None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
 def _print_json(result: dict) -> None:
     """One line of strict JSON on stdout: NaN (a diverged loss, a constant correlation) as null."""
-    print(json.dumps(_finite(result), default=str, ensure_ascii=False, allow_nan=False))
+    print(json.dumps(json_safe(result), default=str, ensure_ascii=False, allow_nan=False))
 
 
 def _main_process() -> bool:
@@ -177,7 +166,7 @@ def cmd_embed(args: argparse.Namespace) -> None:
     for vector in vectors:  # strict JSON: a NaN (an overflow) is null, as in _print_json
         values = ([round(v, 7) for v in vector.tolist()] if vector.dim() == 1 else
                   [[round(v, 7) for v in row] for row in vector.tolist()])  # fmt: skip
-        out.write(json.dumps(_finite(values), allow_nan=False) + "\n")
+        out.write(json.dumps(json_safe(values), allow_nan=False) + "\n")
 
 
 def cmd_export(args: argparse.Namespace) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import math
 import os
 import re
 import shutil
@@ -13,6 +14,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from attnlab.errors import AttnlabError
+
+
+def json_safe(value: object) -> object:
+    """value with every NaN or infinite float (inside dicts and lists too) replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def _temp_name(path: Path) -> Path:

@@ -44,11 +44,7 @@ from attnlab.interop.hf import (
     read_config,
     save_task_model,
 )
-from attnlab.io import (
-    check_output_file,
-    clear_dir,
-    write_text_atomic,
-)
+from attnlab.io import check_output_file, clear_dir, json_safe, write_text_atomic
 from attnlab.nn.packed import packed_linears
 from attnlab.tasks.pretrain import publish
 from attnlab.text import tasks as task_data
@@ -738,7 +734,8 @@ def finetune(opts: FinetuneOptions) -> dict[str, Any]:
         }
         if stage.is_dir():
             publish(stage, opts.out)
-        write_text_atomic(opts.out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
+        text = json.dumps(json_safe(results), indent=2, allow_nan=False)  # NaN: null
+        write_text_atomic(opts.out / RESULTS_FILE, text + "\n")
         summary["results"] = results
     barrier()
     shutdown_distributed()
@@ -868,7 +865,8 @@ def prediction_text(
     """The predictions file: JSONL (classify/regress, ner .jsonl), CoNLL (ner), SQuAD JSON (qa)."""
     task = data.task
     if task == "qa":
-        return json.dumps(qa_answers(data, outputs, settings), ensure_ascii=False, indent=2) + "\n"
+        answers = qa_answers(data, outputs, settings)
+        return json.dumps(answers, ensure_ascii=False, indent=2, allow_nan=False) + "\n"
     lines = []
     if task == "ner":
         conll = not output.name.endswith(".jsonl")
@@ -891,5 +889,5 @@ def prediction_text(
             row["probabilities"] = {
                 n: round(p, 6) for n, p in zip(labels.names, probs, strict=True)
             }
-        lines.append(json.dumps(row, ensure_ascii=False))
+        lines.append(json.dumps(json_safe(row), ensure_ascii=False, allow_nan=False))
     return "\n".join(lines) + "\n"
