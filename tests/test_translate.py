@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from attnlab.cli import main
 from attnlab.tasks.translate import average_checkpoints, bundled_pairs, load_translation_model
@@ -309,6 +309,18 @@ def test_a_huge_max_len_is_capped_at_the_models_positions(run_dir, cli):
     _, capped, _ = cli("translate", "--model", run_dir[0], "--max-len-a", "1000", *flags,
                        stdin="Der Mann liest.\n")  # fmt: skip
     assert huge == capped and huge.strip()
+
+
+def test_a_model_with_nan_weights_is_refused(run_dir, cli, tmp_path):
+    # it translated every line into garbage, exit 0
+    model = tmp_path / "nan"
+    shutil.copytree(run_dir[0], model)
+    weights = load_file(str(model / "model.safetensors"))
+    name = next(k for k in weights if weights[k].is_floating_point())
+    weights[name][0] = float("nan")
+    save_file(weights, str(model / "model.safetensors"))
+    result = cli("translate", "--model", model, "--greedy", stdin="Hallo\n")
+    assert_one_error(*result, f"weight {name}", "NaN or infinite")
 
 
 def test_score_of_empty_files_and_unknown_tokenizer(run_dir, cli, tmp_path):

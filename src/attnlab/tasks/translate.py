@@ -153,6 +153,9 @@ def load_translation_model(model_dir: str | Path) -> tuple[Transformer, BpeToken
     except Exception as err:  # safetensors raises several types; name the file instead
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise AttnlabError(f"cannot load {weights}: {first}") from None
+    for name, tensor in model.state_dict().items():  # NaN would make every output garbage
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise AttnlabError(f"weight {name} in {weights} holds NaN or infinite values")
     return model.eval(), tokenizer
 
 
