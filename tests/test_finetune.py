@@ -484,6 +484,13 @@ def finetune_args(tiny_dir: Path, train: Path, out: Path, *extra: object) -> lis
             "--out", out, "--steps", "1", "--batch-size", "2", *FAST, *extra]  # fmt: skip
 
 
+def qa_args(tiny_dir: Path, train: Path, out: Path, *extra: object) -> list[object]:
+    """finetune_args for a SQuAD file, in windows small enough for the tiny model."""
+    args = finetune_args(tiny_dir, train, out, "--max-length", "64", "--doc-stride", "16", *extra)
+    args[2] = "qa"
+    return args
+
+
 @pytest.mark.parametrize(
     ("name", "text", "task", "fragment"),
     [
@@ -509,8 +516,7 @@ def test_squad_offsets_that_miss_the_context(tiny_dir, tmp_path, capsys):
     data["data"][0]["paragraphs"][0]["qas"][0]["answers"][0]["answer_start"] += 3
     train = write(tmp_path / "bad.json", json.dumps(data))
     out = tmp_path / "out"
-    args = finetune_args(tiny_dir, train, out, "--max-length", "64", "--doc-stride", "16")
-    args[2] = "qa"
+    args = qa_args(tiny_dir, train, out)
     assert_one_error(run(capsys, *args), "q1", "not at offset", "--fix-answer-offsets")
     assert not out.exists()
 
@@ -522,8 +528,7 @@ def test_squad_training_question_without_answers_is_refused(tiny_dir, tmp_path, 
     del data["data"][0]["paragraphs"][0]["qas"][1]["answers"]
     train = write(tmp_path / "unlabelled.json", json.dumps(data))
     out = tmp_path / "out"
-    args = finetune_args(tiny_dir, train, out, "--max-length", "64", "--doc-stride", "16")
-    args[2] = "qa"
+    args = qa_args(tiny_dir, train, out)
     assert_one_error(run(capsys, *args), "'q2'", 'no "answers" list', '"answers": []')
     assert not out.exists()
     assert len(read_examples("qa", train, {"_scoring": False}, labelled=False)) == 8
@@ -561,9 +566,7 @@ def test_fix_answer_offsets_leaving_no_question_is_named(tiny_dir, tmp_path, cap
             for qa in paragraph["qas"]:
                 qa["answers"] = [{"text": "Zagreb", "answer_start": 0}]  # in no context
     train = write(tmp_path / "none.json", json.dumps(data))
-    args = finetune_args(tiny_dir, train, tmp_path / "out", "--max-length", "64",
-                         "--doc-stride", "16")  # fmt: skip
-    args[2] = "qa"
+    args = qa_args(tiny_dir, train, tmp_path / "out")
     code, out, err = run(capsys, *args, "--fix-answer-offsets")
     assert code == 2 and out == ""
     assert err.splitlines()[-1].endswith("no question has its answer in its context: nothing "
@@ -587,8 +590,7 @@ def test_fix_answer_offsets_moves_wrong_offsets_and_drops_absent_answers(
     assert [e.other_answers for e in scoring if e.id == "q2"] == [["Zagreb"]]
 
     out = tmp_path / "out"
-    args = finetune_args(tiny_dir, train, out, "--max-length", "64", "--doc-stride", "16")
-    args[2] = "qa"
+    args = qa_args(tiny_dir, train, out)
     code, _, err = run(capsys, *args, "--fix-answer-offsets")
     assert code == 0, err
     assert "moved 1 answer offset(s)" in err
