@@ -682,6 +682,16 @@ def _extra_layer(state: dict) -> None:  # weights of a layer beyond num_hidden_l
         state[name.replace("layer.0.", "layer.7.")] = state[name].clone()
 
 
+def test_all_finite_sees_nan_and_infinity_but_not_an_overflowing_sum() -> None:
+    from attnlab.interop.hf import all_finite
+
+    values = torch.full((10,), 3e38)  # finite, but their float32 sum overflows
+    assert all_finite(values)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        values[3] = bad
+        assert not all_finite(values)
+
+
 def make_non_tensor_bin(tiny_dir: Path, target: Path) -> None:
     link_files(tiny_dir, target, ("config.json", *TOKENIZER_FILES))
     state = dict(load_file(str(tiny_dir / "model.safetensors")))
