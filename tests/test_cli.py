@@ -733,7 +733,7 @@ CONFIG_PROBLEMS = {
     ),
     "negative-rope-base": (
         make_typed_wrong(attnlab={"position_encoding": "rope", "rope_base": -1.0}),
-        ("rope_base must be > 0",),
+        ("rope_base must be >= 1",),
     ),
 }
 WEIGHT_PROBLEMS = {  # tokenize does not read weights

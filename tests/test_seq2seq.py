@@ -248,7 +248,11 @@ def test_save_load_round_trip_with_tied_weights(tmp_path, share: bool, tie: bool
     [
         ({"layer_norm_eps": -1e-5}, "layer_norm_eps must be >= 0"),
         ({"relative_buckets": -2}, "relative_buckets must be a positive integer"),
-        ({"rope_base": -5.0}, "rope_base must be > 0"),
+        ({"rope_base": -5.0}, "rope_base must be >= 1"),
+        ({"rope_base": 1e-300}, "rope_base must be >= 1"),  # NaN outputs, exit 0
+        # a ZeroDivisionError and an IndexError at the first forward pass
+        ({"position_encoding": "relative_bias", "relative_buckets": 2}, "at least 4"),
+        ({"position_encoding": "relative_bias", "relative_max_distance": 8}, "must exceed half"),
     ],
 )
 def test_negative_norm_and_position_settings_are_refused(setting, message) -> None:

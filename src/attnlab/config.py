@@ -232,8 +232,8 @@ class BertConfig(_JsonConfig):
 
 
 def _check_norm_and_positions(config: BertConfig | TransformerConfig) -> None:
-    """Refuse a negative LayerNorm epsilon, relative-position table size or RoPE base."""
-    # Each would fail the model's build or make every output NaN.
+    """Refuse a negative LayerNorm epsilon, an unusable relative-bias table or RoPE base."""
+    # Each would fail the model's build or first step, or make every output NaN.
     _check(
         config.layer_norm_eps >= 0,
         f"config: layer_norm_eps must be >= 0, got {config.layer_norm_eps!r}",
@@ -241,7 +241,21 @@ def _check_norm_and_positions(config: BertConfig | TransformerConfig) -> None:
     for name in ("relative_buckets", "relative_max_distance"):
         value = getattr(config, name)
         _check(0 < value < 2**31, f"config: {name} must be a positive integer, got {value!r}")
-    _check(config.rope_base > 0, f"config: rope_base must be > 0, got {config.rope_base!r}")
+    if config.position_encoding == "relative_bias":
+        # T5's buckets: half exact offsets, half log-spaced from there to the max distance
+        # (nn/positions.py: relative_buckets), each for both directions.
+        _check(
+            config.relative_buckets >= 4,
+            f"config: relative_buckets must be at least 4, got {config.relative_buckets}",
+        )
+        _check(
+            config.relative_max_distance > config.relative_buckets // 2,
+            f"config: relative_max_distance ({config.relative_max_distance}) must exceed half "
+            f"of relative_buckets ({config.relative_buckets}), where the exact offsets end",
+        )
+    # The rotation angles are position * base ** (-2i / d): a base below 1 makes them grow
+    # with i (past float range for a tiny base).
+    _check(config.rope_base >= 1, f"config: rope_base must be >= 1, got {config.rope_base!r}")
 
 
 def _sizes(n_layers: int, d_model: int, n_heads: int) -> dict[str, int]:
