@@ -203,7 +203,7 @@ def main() -> None:
     )  # fmt: skip
     if not (vocab_dir / "vocab.txt").exists():  # one vocabulary for both models
         run_tokenizer(opts, [corpus]).save(vocab_dir)
-    opts.tokenizer = vocab_dir
+    opts.tokenizer, opts.vocab_size = vocab_dir, None  # the vocabulary is now a given one
     tokenizer = BertTokenizer.from_dir(vocab_dir)
     job = prepare_data(opts, [corpus], tokenizer)
     torch.manual_seed(0)

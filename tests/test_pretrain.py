@@ -6,6 +6,7 @@ import gzip
 import itertools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,12 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SHARED_DATA, assert_same_run
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from attnlab.cli import main
+from attnlab.train import read_rows
 
 RUNNER = Path(__file__).parent / "_pretrain_run.py"
-TINY = ["--preset", "bert-tiny", "--batch-size", "8", "--seq-len", "32", "--vocab-size", "400"]
+SHAPE = ["--preset", "bert-tiny", "--batch-size", "8", "--seq-len", "32"]  # for --tokenizer runs
+TINY = [*SHAPE, "--vocab-size", "400"]
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +114,7 @@ def vocab(corpus, tmp_path_factory) -> Path:
 
 def test_resume_after_sigkill_is_bit_identical(corpus, vocab, tmp_path):
     """Two kills (one mid-step, one inside a checkpoint write) change nothing."""
-    base = [*TINY, "--corpus", str(corpus), "--steps", "12", "--save-every", "3"]
+    base = [*SHAPE, "--corpus", str(corpus), "--steps", "12", "--save-every", "3"]
     base += ["--tokenizer", str(vocab)]
     base += ["--log-every", "1", "--cache-dir", str(tmp_path / "cache"), "--eval-every", "6"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
@@ -139,7 +142,7 @@ def _free_port() -> int:
 
 def test_two_processes_equal_one(corpus, vocab, tmp_path):
     """torchrun with 2 CPU processes (gloo) = one process with the same global batch."""
-    base = [*TINY, "--corpus", str(corpus), "--steps", "4", "--save-every", "0", "--dropout", "0"]
+    base = [*SHAPE, "--corpus", str(corpus), "--steps", "4", "--save-every", "0", "--dropout", "0"]
     base += ["--tokenizer", str(vocab)]
     base += ["--cache-dir", str(tmp_path / "cache"), "--lr", "1e-3", "--warmup", "1"]
     one = _run(["pretrain", *base, "--out", str(tmp_path / "one")])
@@ -538,3 +541,37 @@ def test_init_with_shape_flags_is_refused_not_ignored(corpus, tmp_path, capsys):
     assert "drop --preset, --position-encoding" in message
     assert main(["pretrain", "--corpus", str(corpus), "--out", str(tmp_path / "two"),
                  "--init", str(out), *small]) == 0  # fmt: skip
+
+
+def test_init_checks_its_heads_token_types_and_vocabulary_size(corpus, tmp_path, capsys):
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    small = ["--batch-size", "8", "--seq-len", "32", "--steps", "2", "--save-every", "0", *cache]
+    mlm_only = tmp_path / "mlm_only"
+    args = ["pretrain", "--corpus", str(corpus), "--out", str(mlm_only), *TINY, "--steps", "1"]
+    assert main([*args, "--objective", "mlm", *cache]) == 0
+    # Before, an MLM-only checkpoint given to mlm+nsp trained no sentence head in silence.
+    capsys.readouterr()
+    out = tmp_path / "nsp"
+    assert main(["pretrain", "--corpus", str(corpus), "--out", str(out), "--init",
+                 str(mlm_only), *small]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "note: --init" in err and "no sentence (NSP/SOP) head" in err
+    rows = [r for r in read_rows(out / "metrics.jsonl") if not r.get("eval")]
+    assert all("nsp_loss" in r for r in rows)
+    assert any(k.startswith("cls.seq_relationship") for k in load_file(out / "model.safetensors"))
+    # --vocab-size with --init was ignored in silence
+    message = _error(["pretrain", "--corpus", str(corpus), "--out", str(tmp_path / "v"),
+                      "--init", str(mlm_only), "--vocab-size", "500", *small], capsys)  # fmt: skip
+    assert "--vocab-size sizes a vocabulary trained on the corpus" in message
+    # one token type: NSP's second segment had no embedding (an IndexError mid-run)
+    one_type = tmp_path / "one_type"
+    shutil.copytree(out, one_type, ignore=shutil.ignore_patterns("checkpoints"))
+    config = json.loads((one_type / "config.json").read_text())
+    (one_type / "config.json").write_text(json.dumps({**config, "type_vocab_size": 1}))
+    weights = load_file(one_type / "model.safetensors")
+    name = "bert.embeddings.token_type_embeddings.weight"
+    save_file({**weights, name: weights[name][:1].clone()}, one_type / "model.safetensors")
+    message = _error(["pretrain", "--corpus", str(corpus), "--out", str(tmp_path / "t"),
+                      "--init", str(one_type), *small], capsys)  # fmt: skip
+    assert "one token type (type_vocab_size 1)" in message and "--objective mlm" in message
+    assert not (tmp_path / "t").exists() and not (tmp_path / "v").exists()

@@ -290,6 +290,11 @@ def options_from(
         for key in lists:  # one file needs no list
             if isinstance(from_file.get(key), str):
                 from_file[key] = [from_file[key]]
+            if from_file.get(key) == []:  # not the same as leaving it out (a default applies)
+                raise AttnlabError(
+                    f"--config {args.config}: {key} is an empty list: name a file, or leave "
+                    f"{key} out"
+                )
         check_types(cls, from_file, f"--config {args.config}")  # flags are typed by argparse
         values.update(from_file)
     values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})

@@ -92,7 +92,7 @@ def _check_makeable(path: Path, flag: str) -> None:
         raise AttnlabError(f"{flag} {path} cannot be made: {above} is a file, not a directory")
 
 
-def _resolved(path: Path, flag: str) -> Path:
+def resolved_path(path: Path, flag: str) -> Path:
     """path with every symbolic link followed, or a one-line error (a loop of links)."""
     try:
         return path.resolve()
@@ -107,7 +107,7 @@ def check_out_location(out: Path, inputs: Sequence[str | Path] = ()) -> None:
     command's inputs is refused, as is one that names no directory of its own ('.', '..', '/').
     """
     out = Path(out)
-    _resolved(out, "--out")
+    resolved_path(out, "--out")
     if out.name in ("", ".", ".."):
         raise AttnlabError(f"--out {str(out)!r} names no directory of its own: give a new one")
     for source in map(Path, inputs):
@@ -130,7 +130,7 @@ def check_output_file(
     atomic write would replace it with a file.
     """
     output = Path(output)
-    resolved = _resolved(output, "--output")
+    resolved = resolved_path(output, "--output")
     if output.is_symlink():
         output = resolved
     if output.is_dir():

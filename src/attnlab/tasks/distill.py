@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.interop.hf import check_vocabulary, load_bert, read_config
-from attnlab.io import check_input_file, check_out_location, clear_dir
+from attnlab.io import check_input_file, check_out_location, clear_dir, resolved_path
 from attnlab.models.bert import BertForPreTraining, count_parameters
 from attnlab.nn.loss import summed_cross_entropy
 from attnlab.tasks.pretrain import (
@@ -316,7 +316,11 @@ class DistillOptions(RunOptions):
                 raise AttnlabError(
                     f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}"
                 )
-        if Path(self.out).resolve() == Path(self.teacher).resolve():
+        out, teacher = (
+            resolved_path(Path(self.out), "--out"),
+            resolved_path(self.teacher, "--teacher"),
+        )
+        if out == teacher:
             raise AttnlabError("--out must differ from --teacher")
 
     def pretraining(self) -> PretrainOptions:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -25,7 +26,7 @@ from torch import nn
 
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
-from attnlab.interop.hf import load_bert, save_bert
+from attnlab.interop.hf import load_bert, read_weights, save_bert
 from attnlab.io import check_input_file, clear_dir
 from attnlab.models.bert import BertForPreTraining
 from attnlab.nn.packed import packed_linears
@@ -230,7 +231,7 @@ class PretrainOptions(RunOptions):
     eval_examples: int = 512
     compile: bool = False
     tokenizer: Path | None = None
-    vocab_size: int = 8000
+    vocab_size: int | None = None  # None: 8000, for a vocabulary trained on the corpus
     init: Path | None = None
     position_encoding: str | None = None  # None: learned (BERT's)
     embedding_size: int | None = None
@@ -245,8 +246,14 @@ class PretrainOptions(RunOptions):
             raise AttnlabError(
                 f"unknown objective {self.objective!r} (choose from {', '.join(OBJECTIVES)})"
             )
+        if self.vocab_size is not None and (self.init is not None or self.tokenizer is not None):
+            raise AttnlabError(  # it would be ignored in silence
+                "--vocab-size sizes a vocabulary trained on the corpus; --init and --tokenizer "
+                "bring their own: drop it"
+            )
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "vocab_size"):
-            if getattr(self, name) < 1:
+            value = getattr(self, name)
+            if value is not None and value < 1:  # vocab_size None: the default
                 raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
         for name in ("eval_documents", "eval_examples"):  # 0: no held-out evaluation
             if getattr(self, name) < 0:
@@ -282,7 +289,7 @@ def run_tokenizer(opts: PretrainOptions, files: list[Path]) -> BertTokenizer:
         return BertTokenizer.from_dir(opts.tokenizer)
     if opts.init is not None:
         return BertTokenizer.from_dir(opts.init)
-    return train_wordpiece(files, opts.vocab_size)
+    return train_wordpiece(files, 8000 if opts.vocab_size is None else opts.vocab_size)
 
 
 def _save_tokenizer(opts: PretrainOptions, tokenizer: BertTokenizer) -> None:
@@ -302,6 +309,25 @@ def build_model(opts: PretrainOptions, tokenizer: BertTokenizer) -> BertForPreTr
     sentence_head = opts.objective != "mlm"
     if opts.init is not None:
         model = load_bert(opts.init, heads=True)
+        if sentence_head and model.config.type_vocab_size < 2:  # segment B's id 1: no embedding
+            raise AttnlabError(
+                f"--init {opts.init} has one token type (type_vocab_size 1): objective "
+                f"{opts.objective} needs two sentences told apart; use --objective mlm"
+            )
+        if sentence_head and model.nsp is None:  # a masked-LM-only checkpoint: add the head
+            grown = BertForPreTraining(model.config, sentence_head=True)
+            grown.load_state_dict(model.state_dict(), strict=False)  # pooler and head fresh
+            model = grown
+        heads = [("cls.predictions", "masked-LM")]
+        heads += [("cls.seq_relationship", "sentence (NSP/SOP)")] if sentence_head else []
+        names = read_weights(opts.init).keys()
+        fresh = [head for prefix, head in heads if not any(k.startswith(prefix) for k in names)]
+        if fresh:  # as finetune says of a new classifier
+            print(
+                f"note: --init {opts.init} has no {' or '.join(fresh)} head: it starts from "
+                "random weights",
+                file=sys.stderr,
+            )
         if model.config.vocab_size < tokenizer.vocab_size:
             raise AttnlabError("--init model's vocabulary is smaller than the tokenizer's")
         if model.config.max_positions < opts.seq_len:
