@@ -187,6 +187,15 @@ def test_options_from_toml_and_yaml_with_flags_winning(corpus, tmp_path):
     assert config["architectures"] == ["BertForMaskedLM"]
 
 
+def test_an_empty_file_list_in_a_config_is_refused(tmp_path, capsys):
+    # It trained on the bundled sample, as if corpus had been left out.
+    toml = tmp_path / "run.toml"
+    toml.write_text("corpus = []\n")
+    message = _error(["pretrain", "--config", str(toml), "--out", str(tmp_path / "o")], capsys)
+    assert "corpus is an empty list: name a file, or leave corpus out" in message
+    assert not (tmp_path / "o").exists()
+
+
 def test_compile_flag_reaches_the_trainer_config(tmp_path):
     import argparse
 
