@@ -381,6 +381,11 @@ def test_a_closed_stdin_or_stdout_is_one_error_line(tiny_dir, command, redirect,
     assert_one_error(done.returncode, "", done.stderr, fragment)
 
 
+def test_an_error_quoting_a_line_break_stays_one_line(cli, tmp_path):
+    message = assert_one_error(*cli("info", "--model", tmp_path / "two\nlines"))
+    assert "two\\nlines" in message
+
+
 def test_export_refuses_a_non_empty_out_unless_overwrite(cli, tiny_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -692,7 +692,9 @@ def test_evaluate_and_predict_refuse_bad_settings_and_outputs(tiny_dir, tmp_path
     # id2label that does not fit the head: a traceback (zip) or labels such as "None" before
     config = json.loads((model / "config.json").read_text())
     for id2label, fragment in (({"0": "a", "1": "b", "2": "c"}, "names 3 labels"),
-                               ({"0": None, "1": "b"}, "names must be strings, got None")):  # fmt: skip
+                               ({"0": None, "1": "b"}, "printable strings, got None"),
+                               ({"0": "a\n", "1": "b"}, "printable strings, got 'a\\n'"),
+                               (["a", "b"], "id2label must be a table")):  # fmt: skip
         (model / "config.json").write_text(json.dumps({**config, "id2label": id2label}))
         result = run(capsys, "predict", "--model", model, "--input", data,
                      "--output", tmp_path / "p.jsonl", "--overwrite")  # fmt: skip

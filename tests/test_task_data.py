@@ -318,12 +318,14 @@ def test_read_squad_fixes_offsets_to_nearest_occurrence(tmp_path):
         read_squad(path, fix_offsets=False)
 
 
-def _squad_with(question: object = "Where?", text: object = "ab", answer_start: object = 0) -> str:
+def _squad_with(
+    question: object = "Where?", text: object = "ab", answer_start: object = 0, qid: object = "q1"
+) -> str:
     """One-question SQuAD JSON text with the given fields (answer_start may be raw JSON)."""
     answer = json.dumps({"text": text, "answer_start": 0}).replace(
         '"answer_start": 0', f'"answer_start": {answer_start}'
     )
-    qa = f'{{"id": "q1", "question": {json.dumps(question)}, "answers": [{answer}]}}'
+    qa = f'{{"id": {json.dumps(qid)}, "question": {json.dumps(question)}, "answers": [{answer}]}}'
     return f'{{"data": [{{"paragraphs": [{{"context": "ab cd", "qas": [{qa}]}}]}}]}}'
 
 
@@ -341,6 +343,9 @@ def _squad_with(question: object = "Where?", text: object = "ab", answer_start: 
         (_squad_with(question=None), "question 'q1' is not a string"),
         (_squad_with(question=["a", "b"]), "question 'q1' is not a string"),
         (_squad_with(text="  "), "question 'q1' has an empty answer"),
+        (_squad_with(text=["a"]), r"has an answer that is not text: \[.a.\]"),
+        (_squad_with(qid=None), r"question id None after .\(first question\). is not a string"),
+        (_squad_with(qid=["a"]), "is not a string"),
     ],
 )
 def test_read_squad_errors(tmp_path, content, message):

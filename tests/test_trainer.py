@@ -559,6 +559,16 @@ def test_a_finished_run_resumed_reports_what_it_reported(tmp_path: Path) -> None
     assert again["loss"] == first["loss"] and again["best"] == first["best"]
 
 
+def test_metrics_rows_are_strict_json_with_null_for_nan(tmp_path: Path) -> None:
+    from attnlab.train.log import MetricsLog
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.append({"step": 1, "loss": float("nan"), "eval": True, "pearson": float("inf")})
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line) == {"step": 1, "loss": None, "eval": True, "pearson": None}
+    assert "NaN" not in line and "Infinity" not in line  # was bare NaN: not JSON
+
+
 def test_best_metric_must_be_one_the_evaluation_returns(tmp_path: Path) -> None:
     with pytest.raises(AttnlabError, match="best_metric 'f1' is not among"):
         train(tmp_path / "run", steps=4, eval_every=2, best_metric="f1")

@@ -311,8 +311,8 @@ def test_a_huge_max_len_is_capped_at_the_models_positions(run_dir, cli):
     assert huge == capped and huge.strip()
 
 
-def test_a_model_with_nan_weights_is_refused(run_dir, cli, tmp_path):
-    # it translated every line into garbage, exit 0
+def test_a_model_with_nan_or_integer_weights_is_refused(run_dir, cli, tmp_path):
+    # NaN: it translated every line into garbage, exit 0
     model = tmp_path / "nan"
     shutil.copytree(run_dir[0], model)
     weights = load_file(str(model / "model.safetensors"))
@@ -321,6 +321,10 @@ def test_a_model_with_nan_weights_is_refused(run_dir, cli, tmp_path):
     save_file(weights, str(model / "model.safetensors"))
     result = cli("translate", "--model", model, "--greedy", stdin="Hallo\n")
     assert_one_error(*result, f"weight {name}", "NaN or infinite")
+    weights[name] = weights[name].nan_to_num().round().int()  # integers were cast in silence
+    save_file(weights, str(model / "model.safetensors"))
+    result = cli("translate", "--model", model, "--greedy", stdin="Hallo\n")
+    assert_one_error(*result, f"weight {name}", "holds I32, not floats")
 
 
 def test_score_of_empty_files_and_unknown_tokenizer(run_dir, cli, tmp_path):

@@ -788,8 +788,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         _set_threads(args)
         args.func(args)
-    except AttnlabError as err:
-        _say(f"attnlab: error: {err}")
+    except AttnlabError as err:  # one line, whatever text (a file's, a label) it quotes
+        _say("attnlab: error: " + str(err).replace("\r", "\\r").replace("\n", "\\n"))
         return EXIT_USAGE
     except KeyboardInterrupt:
         _say("attnlab: interrupted")

@@ -473,7 +473,9 @@ def checkpoint_task(path: str | Path) -> str | None:
 def checkpoint_labels(path: str | Path) -> list[str] | None:
     """The label names in config.json's id2label, in id order (None when there are none)."""
     id2label = _read_config_json(Path(path)).get("id2label")
-    if not isinstance(id2label, dict) or not id2label:
+    if id2label is not None and not isinstance(id2label, dict):
+        raise AttnlabError(f"{path}/config.json: id2label must be a table of id: name")
+    if not id2label:
         return None
     try:
         ids = sorted(int(i) for i in id2label)
@@ -481,9 +483,13 @@ def checkpoint_labels(path: str | Path) -> list[str] | None:
         raise AttnlabError(f"{path}/config.json: id2label keys must be integers") from None
     if ids != list(range(len(ids))):
         raise AttnlabError(f"{path}/config.json: id2label ids must be 0..{len(ids) - 1}")
-    odd = [name for name in id2label.values() if not isinstance(name, str)]
-    if odd:  # str() would make labels such as "None" or "['x']"
-        raise AttnlabError(f"{path}/config.json: id2label names must be strings, got {odd[0]!r}")
+    # str() would make labels such as "None" or "['x']"; a line break or tab in a name would
+    # split a predicted CoNLL line or an error message.
+    odd = [n for n in id2label.values() if not isinstance(n, str) or not n.isprintable()]
+    if odd:
+        raise AttnlabError(
+            f"{path}/config.json: id2label names must be printable strings, got {odd[0]!r}"
+        )
     by_id = {int(i): name for i, name in id2label.items()}
     return [by_id[i] for i in ids]
 

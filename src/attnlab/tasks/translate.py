@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
@@ -66,6 +67,7 @@ from attnlab.train.trainer import (
 # GNMT's alpha is about 0.6-1 in practice; ((5 + L) / 6) ** alpha overflows a float (an
 # OverflowError) from about alpha 100 at a thousand tokens.
 MAX_LENGTH_PENALTY = 50.0
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names
 MODEL_TYPE = "attnlab-transformer"  # config.json marker of a translation model directory
 CONFIG_FILE = "config.json"
 BEST_DIR = "best"
@@ -150,7 +152,14 @@ def load_translation_model(model_dir: str | Path) -> tuple[Transformer, BpeToken
         )
     model = Transformer(config)
     try:
+        with safe_open(str(weights), "pt") as stored:  # integers would be cast in silence
+            kinds = {name: stored.get_slice(name).get_dtype() for name in stored.keys()}  # noqa: SIM118
+        odd = next((name for name, kind in kinds.items() if kind not in FLOAT_DTYPES), None)
+        if odd is not None:
+            raise AttnlabError(f"weight {odd} in {weights} holds {kinds[odd]}, not floats")
         load_model(model, str(weights), strict=True)
+    except AttnlabError:
+        raise
     except Exception as err:  # safetensors raises several types; name the file instead
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise AttnlabError(f"cannot load {weights}: {first}") from None

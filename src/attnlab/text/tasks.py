@@ -595,6 +595,10 @@ def read_squad(
             for paragraph in article["paragraphs"]:
                 context = paragraph["context"]
                 for qa in paragraph["qas"]:
+                    if not isinstance(qa["id"], (str, int)) or isinstance(qa["id"], bool):
+                        raise AttnlabError(  # str() would make ids such as "None"
+                            f"{path}: question id {qa['id']!r} after {qid!r} is not a string"
+                        )
                     qid = str(qa["id"])
                     if qid in seen:
                         raise AttnlabError(f"{path}: question id {qid!r} appears twice")
@@ -643,7 +647,9 @@ def _locate_answer(
     path: Path, qid: str, context: str, text: str, start: int, fix_offsets: bool
 ) -> int | None:
     """Where answer `text` starts in `context`: `start` when right, else see read_squad."""
-    if not isinstance(text, str) or not text.strip():  # blank: no span to point at
+    if not isinstance(text, str):
+        raise AttnlabError(f"{path}: question {qid!r} has an answer that is not text: {text!r}")
+    if not text.strip():  # blank: no span to point at
         raise AttnlabError(f"{path}: question {qid!r} has an empty answer")
     if start >= 0 and context[start : start + len(text)] == text:
         return start

@@ -7,7 +7,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from attnlab.io import write_text_atomic, write_with_atomic
+from attnlab.io import json_safe, write_text_atomic, write_with_atomic
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
@@ -45,8 +45,9 @@ class MetricsLog:
         """Add one row to the file and to self.rows."""
         # Opened per row (rows are rare): no handle to leak. One write per row, so a kill
         # can cut only the last line, which read_rows skips.
+        row = json_safe(row)  # strict JSON: a diverged loss (NaN) is null
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, allow_nan=False) + "\n")
         self.rows.append(row)
 
 
