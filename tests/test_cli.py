@@ -217,6 +217,13 @@ def test_embed_pooling_none_gives_one_vector_per_token(cli, minilm_dir, hf_refer
         assert len(matrix) == n_tokens
         assert all(len(vector) == 384 for vector in matrix)
         assert max_diff(matrix, hidden[row, :n_tokens]) <= TOLERANCE
+    # --normalize makes each token's vector unit length (it was ignored with pooling none)
+    code, out, _ = cli("embed", "--model", minilm_dir, "--pooling", "none", "--normalize",
+                       stdin=stdin)  # fmt: skip
+    assert code == 0
+    for row, matrix in enumerate(json_lines(out)):
+        expected = F.normalize(hidden[row, : int(mask[row].sum())], dim=-1)
+        assert max_diff(matrix, expected) <= TOLERANCE
 
 
 def test_embed_normalize_gives_unit_vectors(cli, minilm_dir, hf_reference):
@@ -379,6 +386,14 @@ def test_a_closed_stdin_or_stdout_is_one_error_line(tiny_dir, command, redirect,
     line = f"{sys.executable} {args} {redirect}"
     done = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=300)
     assert_one_error(done.returncode, "", done.stderr, fragment)
+
+
+def test_a_device_or_pipe_as_an_input_file_is_named_as_such(cli, tiny_dir, tmp_path):
+    # It was called "not found"; stdin is read with --input - (or no --input).
+    os.mkfifo(tmp_path / "fifo")
+    for path in ("/dev/null", tmp_path / "fifo"):
+        message = assert_one_error(*cli("embed", "--model", tiny_dir, "--input", path))
+        assert "is not a regular file (a pipe or device)" in message
 
 
 def test_an_error_quoting_a_line_break_stays_one_line(cli, tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -335,6 +336,12 @@ def test_score_of_empty_files_and_unknown_tokenizer(run_dir, cli, tmp_path):
                      "no sentences to score")  # fmt: skip
     result = cli(*score, "--src", tmp_path / "one", "--ref", tmp_path / "one", "--tokenize", "x")
     assert_one_error(*result, "unknown BLEU tokenizer 'x'", "13a")
+    # spm needs sentencepiece and a download: one error line, without the notice sacreBLEU
+    # logs first (to the stderr of a fresh process, which an in-process run does not catch)
+    argv = [*score, "--src", tmp_path / "one", "--ref", tmp_path / "one", "--tokenize", "spm"]
+    done = subprocess.run([sys.executable, "-m", "attnlab", *map(str, argv)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert_one_error(done.returncode, done.stdout, done.stderr, "BLEU tokenizer 'spm' cannot")
     assert_one_error(*cli("translate", "--model", tmp_path / "one"), "is a file")
 
 

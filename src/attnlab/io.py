@@ -59,6 +59,11 @@ def check_input_file(path: Path, what: str = "file") -> Path:
     path = Path(path)
     if path.is_dir():
         raise AttnlabError(f"{what} {path} is a directory, not a file")
+    if path.exists() and not path.is_file():  # read twice by some readers: a file it must be
+        raise AttnlabError(
+            f"{what} {path} is not a regular file (a pipe or device): give a file, or - for stdin "
+            "where the command reads it"
+        )
     if not path.is_file():
         raise AttnlabError(f"{what} {path} not found")
     return path

@@ -17,6 +17,7 @@ scores are on 0..100 as the official scripts print them; the others are on 0..1.
 
 from __future__ import annotations
 
+import logging
 import re
 import string
 import unicodedata
@@ -245,6 +246,9 @@ def bleu_metric(tokenize: str = "13a") -> Any:
     """sacreBLEU's BLEU with this tokenizer, or a one-line reason it cannot be had here."""
     from sacrebleu.metrics import BLEU
 
+    logger = logging.getLogger("sacrebleu")  # it logs that 'spm' is now 'flores101': a
+    level = logger.level  # second stderr line, before a refusal of ours or sacreBLEU's
+    logger.setLevel(logging.ERROR)
     try:
         return BLEU(tokenize=tokenize)
     except KeyError:  # sacreBLEU's answer to an unknown tokenizer name
@@ -255,6 +259,8 @@ def bleu_metric(tokenize: str = "13a") -> Any:
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         hint = f": {' '.join(lines)}" if lines else ""
         raise AttnlabError(f"BLEU tokenizer {tokenize!r} cannot run here{hint}") from None
+    finally:
+        logger.setLevel(level)
 
 
 def corpus_bleu(

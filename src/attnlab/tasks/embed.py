@@ -121,9 +121,10 @@ def embed(
             with autocast:
                 out = model(batch.input_ids, batch.attention_mask, batch.token_type_ids, keep=keep)
             hidden = out.last_hidden_state.float()  # (batch, d) with keep
-            if pooling == "none":
+            if pooling == "none":  # per-token vectors, each unit length with normalize
+                rows = F.normalize(hidden, dim=-1) if normalize else hidden
                 for row, index in enumerate(batch.indices):
-                    results[index] = hidden[row, : int(batch.attention_mask[row].sum())].clone()
+                    results[index] = rows[row, : int(batch.attention_mask[row].sum())].clone()
             else:
                 vectors = hidden if keep is not None else mean_pool(hidden, batch.attention_mask)
                 if normalize:
