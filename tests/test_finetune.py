@@ -667,6 +667,7 @@ def test_evaluate_and_predict_refuse_bad_settings_and_outputs(tiny_dir, tmp_path
             assert_one_error(result, "--batch-size must be at least 1")
     (tmp_path / "notes.txt").write_text("mine")
     for output, fragment in ((tmp_path, "is a directory"),
+                             (f"{tmp_path}/new.jsonl/", "names a directory"),  # wrote new.jsonl
                              (tmp_path / "notes.txt" / "p.jsonl", "notes.txt is a file")):  # fmt: skip
         result = run(capsys, "predict", "--model", model, "--input", data, "--output", output,
                      "--overwrite")  # fmt: skip

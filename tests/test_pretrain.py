@@ -526,6 +526,14 @@ def test_config_file_nulls_threads_formats_and_its_place(corpus, tmp_path, capsy
     assert "eval_examples must be >= 0" in _error(
         ["pretrain", "--config", str(tmp_path / "bad.toml"), "--out", str(tmp_path / "o")], capsys
     )
+    # an option given twice: the last (YAML) or one of two spellings won in silence
+    for name, text, fragment in (
+        ("twice.yaml", "steps: 2\nsteps: 3\n", "duplicate key 'steps'"),
+        ("twice.toml", "batch-size = 3\nbatch_size = 4\n", "'batch-size' and 'batch_size' are"),
+    ):
+        (tmp_path / name).write_text(text)
+        argv = ["pretrain", "--config", str(tmp_path / name), "--out", str(tmp_path / "o")]
+        assert fragment in _error(argv, capsys)
     # --overwrite replaces --out as a whole: a config file inside it is refused
     run = tmp_path / "run"
     run.mkdir()

@@ -234,7 +234,15 @@ def _yaml_load(text: str) -> object:
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+            # A repeated key kept the last value in silence (TOML refuses it).
+            keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+            for i, key in enumerate(keys):
+                if key in keys[:i]:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r}", node.start_mark
+                    )
+            return super().construct_mapping(node, deep)
 
     exponent = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
     Loader.add_implicit_resolver("tag:yaml.org,2002:float", exponent, list("-+0123456789"))
@@ -263,7 +271,14 @@ def read_config_file(path: str) -> dict[str, object]:
         raise AttnlabError(f"{file}: cannot parse ({str(err).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise AttnlabError(f"{file}: expected a table of options")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
+    options: dict[str, object] = {}
+    spelled: dict[str, object] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name in options:  # batch-size and batch_size: one would win in silence
+            raise AttnlabError(f"{file}: {spelled[name]!r} and {key!r} are the same option")
+        options[name], spelled[name] = value, key
+    return options
 
 
 def options_from(

@@ -126,7 +126,7 @@ def check_out_location(out: Path, inputs: Sequence[str | Path] = ()) -> None:
 
 
 def check_output_file(
-    output: Path, overwrite: bool = False, inputs: Sequence[str | Path] = ()
+    output: str | Path, overwrite: bool = False, inputs: Sequence[str | Path] = ()
 ) -> Path:
     """Where to write output: no directory, input or file within one; existing if overwrite.
 
@@ -134,6 +134,8 @@ def check_output_file(
     existing output that is not a regular file (a FIFO, a device) is refused, since the
     atomic write would replace it with a file.
     """
+    if str(output).endswith(os.sep):  # Path() would drop the slash and write a file there
+        raise AttnlabError(f"--output {output} names a directory: name a file")
     output = Path(output)
     resolved = resolved_path(output, "--output")
     if output.is_symlink():

@@ -843,7 +843,7 @@ def predict_file(
     batch_size: int = 64,
 ) -> int:
     """Write predictions for an (unlabelled) input file; returns how many examples."""
-    output = check_output_file(Path(output_path), overwrite, inputs=[input_path, model_dir])
+    output = check_output_file(output_path, overwrite, inputs=[input_path, model_dir])
     loaded = load_finetuned(model_dir, task, overrides)
     settings = {**loaded.settings, "_scoring": True}
     task = settings["task"]
