@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -319,6 +320,18 @@ def read_weights(path: Path) -> dict[str, Tensor]:
     except Exception as err:  # corrupt or truncated file: the libraries raise many types
         raise AttnlabError(f"cannot read weights in {path}: {str(err).splitlines()[0]}") from None
     raise AttnlabError(f"no model.safetensors or pytorch_model.bin in {path}")
+
+
+def weight_names(path: Path) -> set[str]:
+    """The tensor names of DIR's weights; from model.safetensors' header alone where it is one."""
+    st = Path(path) / "model.safetensors"
+    if st.is_file():
+        try:
+            with safe_open(str(st), "pt") as stored:
+                return set(stored.keys())
+        except Exception:  # a damaged file: read_weights below names the problem
+            pass
+    return set(read_weights(Path(path)))
 
 
 def load_bert(

@@ -26,7 +26,7 @@ from torch import nn
 
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
-from attnlab.interop.hf import load_bert, read_weights, save_bert
+from attnlab.interop.hf import load_bert, save_bert, weight_names
 from attnlab.io import check_input_file, clear_dir
 from attnlab.models.bert import BertForPreTraining
 from attnlab.nn.packed import packed_linears
@@ -320,7 +320,7 @@ def build_model(opts: PretrainOptions, tokenizer: BertTokenizer) -> BertForPreTr
             model = grown
         heads = [("cls.predictions", "masked-LM")]
         heads += [("cls.seq_relationship", "sentence (NSP/SOP)")] if sentence_head else []
-        names = read_weights(opts.init).keys()
+        names = weight_names(opts.init)
         fresh = [head for prefix, head in heads if not any(k.startswith(prefix) for k in names)]
         if fresh:  # as finetune says of a new classifier
             print(
