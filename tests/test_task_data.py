@@ -344,8 +344,8 @@ def _squad_with(
         (_squad_with(question=["a", "b"]), "question 'q1' is not a string"),
         (_squad_with(text="  "), "question 'q1' has an empty answer"),
         (_squad_with(text=["a"]), r"has an answer that is not text: \[.a.\]"),
-        (_squad_with(qid=None), r"question id None after .\(first question\). is not a string"),
-        (_squad_with(qid=["a"]), "is not a string"),
+        (_squad_with(qid=None), r"id None after .\(first question\). is neither text nor a number"),
+        (_squad_with(qid=["a"]), "is neither text nor a number"),
     ],
 )
 def test_read_squad_errors(tmp_path, content, message):

@@ -597,7 +597,8 @@ def read_squad(
                 for qa in paragraph["qas"]:
                     if not isinstance(qa["id"], (str, int)) or isinstance(qa["id"], bool):
                         raise AttnlabError(  # str() would make ids such as "None"
-                            f"{path}: question id {qa['id']!r} after {qid!r} is not a string"
+                            f"{path}: question id {qa['id']!r} after {qid!r} is neither text "
+                            "nor a number"
                         )
                     qid = str(qa["id"])
                     if qid in seen:
