@@ -259,6 +259,25 @@ def test_a_damaged_corpus_cache_is_built_again(
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [corpus.directory.name]
 
 
+def test_a_killed_builds_scratch_folder_is_removed_by_the_next_build(
+    tmp_path: Path, minilm_tokenizer: BertTokenizer
+) -> None:
+    # A kill while tokenizing left .<fingerprint>.<pid>.<hex>.tmp in the cache for good.
+    import subprocess
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    cache = tmp_path / "cache"
+    dead = cache / f".abc.{int(gone.stdout)}.{'0' * 32}.tmp"
+    live = cache / f".abc.{os.getpid()}.{'1' * 32}.tmp"  # a build in progress here
+    for scratch in (dead, live):
+        (scratch / "tokens.bin").parent.mkdir(parents=True)
+        (scratch / "tokens.bin").write_bytes(b"half")
+    path = _write_blank_separated(tmp_path / "corpus.txt", ENGLISH_DOCS)
+    TokenizedCorpus.build([path], minilm_tokenizer, cache)
+    assert not dead.exists() and live.exists()
+
+
 def test_empty_corpus_is_an_error(tmp_path: Path, minilm_tokenizer: BertTokenizer) -> None:
     path = tmp_path / "empty.txt"
     path.write_text("\n  \n\n", encoding="utf-8")

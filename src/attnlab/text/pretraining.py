@@ -188,8 +188,8 @@ class TokenizedCorpus:
             if not isinstance(length, int):
                 raise AttnlabError(f"{meta_path} lacks the length of {name}")
             expected = length * np.dtype(dtype).itemsize
-            if not path.is_file() or path.stat().st_size != expected:
-                raise AttnlabError(f"{path} is missing or truncated")
+            if length < 0 or not path.is_file() or path.stat().st_size != expected:
+                raise AttnlabError(f"{path} is missing or is not the size meta.json gives")
             setattr(self, name, np.memmap(path, dtype=dtype, mode="r", shape=(length,)))
 
     def verify(self, vocab_size: int) -> None:
@@ -263,6 +263,7 @@ class TokenizedCorpus:
         segmenter = _jieba() if chinese_words else None
 
         cache_root.mkdir(parents=True, exist_ok=True)
+        _remove_dead_builds(cache_root)
         # Built under a temporary name and renamed, so a crash or a concurrent build never
         # leaves a half-written cache where `open` would find it.
         scratch = cache_root / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
@@ -383,6 +384,18 @@ class CorpusView:
 
     def __repr__(self) -> str:
         return f"CorpusView({self.corpus!r}, documents={self.n_documents})"
+
+
+def _remove_dead_builds(cache_root: Path) -> None:
+    """Delete the scratch folders of builds whose process is gone (killed mid-tokenizing)."""
+    for scratch in cache_root.glob(".*.*.*.tmp"):
+        try:
+            pid = int(scratch.name.split(".")[2])
+            os.kill(pid, 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
+            shutil.rmtree(scratch, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            continue  # not a name of ours, or another user's live process
 
 
 def _fingerprint(paths: list[Path], tokenizer: BertTokenizer, chinese_words: bool) -> str:
