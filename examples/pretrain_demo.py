@@ -61,7 +61,7 @@ def main() -> None:
     vocab = Path("runs/demo-vocab")
     shutil.rmtree(vocab, ignore_errors=True)
     tokenizer.save(vocab)
-    opts.tokenizer = vocab  # before and after share one vocabulary
+    opts.tokenizer, opts.vocab_size = vocab, None  # before and after share one vocabulary
     torch.manual_seed(opts.seed)
     show("Before pretraining (random weights)", build_model(opts, tokenizer), tokenizer)
 

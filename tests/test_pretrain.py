@@ -592,3 +592,14 @@ def test_init_checks_its_heads_token_types_and_vocabulary_size(corpus, tmp_path,
                       "--init", str(one_type), *small], capsys)  # fmt: skip
     assert "one token type (type_vocab_size 1)" in message and "--objective mlm" in message
     assert not (tmp_path / "t").exists() and not (tmp_path / "v").exists()
+
+
+@pytest.mark.parametrize("demo", ["pretrain_demo.py", "translate_demo.py"])
+def test_the_make_demo_scripts_run_a_few_steps(demo, tmp_path):
+    # `make demo` broke once when an option's default changed (--vocab-size became refused
+    # with --tokenizer) and no test ran the scripts; here each runs three steps.
+    script = Path(__file__).parents[1] / "examples" / demo
+    done = subprocess.run([sys.executable, str(script), "3"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loss.png in runs/" in done.stdout
