@@ -649,8 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(func=func)
         return sub
 
-    sub = command("info", cmd_info, "print a model's config and parameter count as JSON")
-    sub.add_argument("--model", required=True, help="checkpoint directory (HF or attnlab)")
+    sub = command("info", cmd_info, "print a BERT model's config and parameter count as JSON")
+    sub.add_argument("--model", required=True, help="BERT checkpoint directory (HF or attnlab)")
 
     sub = command("tokenize", cmd_tokenize, "tokenize lines to JSON input_ids/token_type_ids")
     sub.add_argument("--model", required=True)
