@@ -701,6 +701,14 @@ def test_evaluate_and_predict_refuse_bad_settings_and_outputs(tiny_dir, tmp_path
                      "--output", tmp_path / "p.jsonl", "--overwrite")  # fmt: skip
         assert_one_error(result, fragment)
     (model / "config.json").write_text(json.dumps(config))
+    # an infinite head weight (the head's own check, apart from the encoder's)
+    weights = load_file(str(model / "model.safetensors"))
+    save_file({**weights, "classifier.bias": torch.full_like(weights["classifier.bias"], float("inf"))},
+              str(model / "model.safetensors"))  # fmt: skip
+    result = run(capsys, "predict", "--model", model, "--input", data,
+                 "--output", tmp_path / "p.jsonl", "--overwrite")  # fmt: skip
+    assert_one_error(result, "weight classifier.bias holds NaN or infinite values")
+    save_file(weights, str(model / "model.safetensors"))
     # a damaged finetune.json is named, and its task cannot contradict the model's head
     settings = model / "finetune.json"
     for text, fragment in (("[1]", "expected a JSON object"),

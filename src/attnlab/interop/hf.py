@@ -191,13 +191,7 @@ def bert_state_from_hf(state: dict[str, Tensor], model: nn.Module) -> dict[str, 
         if hf_name not in hf:
             missing.append(hf_name)
             return None
-        tensor = hf[hf_name]
-        # Integers would be converted in silence, NaN would turn every output into NaN.
-        if not tensor.is_floating_point():
-            raise AttnlabError(f"weight {hf_name} holds {tensor.dtype}, not floats")
-        if not all_finite(tensor):
-            raise AttnlabError(f"weight {hf_name} holds NaN or infinite values")
-        return tensor
+        return _checked_weight(hf_name, hf[hf_name])
 
     for name in model.state_dict():
         plain = name[len(prefix) :] if name.startswith(prefix) else name
@@ -378,6 +372,15 @@ def all_finite(tensor: Tensor) -> bool:
     return math.isfinite(float(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
+def _checked_weight(name: str, tensor: Tensor) -> Tensor:
+    """tensor, unless it holds integers (converted in silence) or NaN/inf (NaN outputs)."""
+    if not tensor.is_floating_point():
+        raise AttnlabError(f"weight {name} holds {tensor.dtype}, not floats")
+    if not all_finite(tensor):
+        raise AttnlabError(f"weight {name} holds NaN or infinite values")
+    return tensor
+
+
 def _check_layer_count(state: dict[str, Tensor], n_layers: int, path: Path) -> None:
     """Refuse weights of more encoder layers than config.json has (they would be dropped)."""
     found = {int(m.group(1)) for k in state if (m := _HF_LAYER_INDEX.search(k))}
@@ -401,11 +404,6 @@ def _load_checked(model: nn.Module, weights: dict[str, Tensor], path: Path) -> N
                 f"weight {name} in {path} has shape {tuple(tensor.shape)}, "
                 f"config.json implies {tuple(expected[name].shape)}"
             )
-        # Integers would be converted in silence, NaN would turn every output into NaN.
-        if expected[name].is_floating_point() and not tensor.is_floating_point():
-            raise AttnlabError(f"weight {name} in {path} holds {tensor.dtype}, not floats")
-        if tensor.is_floating_point() and not all_finite(tensor):
-            raise AttnlabError(f"weight {name} in {path} holds NaN or infinite values")
     missing = [
         n for n in expected if n not in weights and not n.endswith("mlm.word_embeddings.weight")
     ]
@@ -528,7 +526,9 @@ def build_task_model(config: BertConfig, task: str, num_labels: int = 2) -> nn.M
 
 def _head_state(state: dict[str, Tensor], task: str) -> dict[str, Tensor]:
     prefix = _HEAD_PREFIXES.get(task, "qa_outputs.")
-    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    return {
+        k[len(prefix) :]: _checked_weight(k, v) for k, v in state.items() if k.startswith(prefix)
+    }
 
 
 def load_task_model(
