@@ -112,15 +112,15 @@ def check_out_location(out: Path, inputs: Sequence[str | Path] = ()) -> None:
     command's inputs is refused, as is one that names no directory of its own ('.', '..', '/').
     """
     out = Path(out)
-    resolved_path(out, "--out")
+    where = resolved_path(out, "--out")
     if out.name in ("", ".", ".."):
         raise AttnlabError(f"--out {str(out)!r} names no directory of its own: give a new one")
     for source in map(Path, inputs):
         if not source.exists():
             continue
-        if out.resolve() == source.resolve():
+        if where == source.resolve():
             raise AttnlabError(f"--out {out} is the input {source}: write to another directory")
-        if out.resolve() in source.resolve().parents:
+        if where in source.resolve().parents:
             raise AttnlabError(f"--out {out} holds the input {source}: choose another --out")
     _check_makeable(out, "--out")
 
@@ -147,7 +147,7 @@ def check_output_file(
             f"--output {output} is not a regular file (a device or FIFO?): name a file"
         )
     for source in map(Path, inputs):
-        if source.exists() and source.resolve() in (output.resolve(), *output.resolve().parents):
+        if source.exists() and source.resolve() in (resolved, *resolved.parents):
             raise AttnlabError(f"--output {output} would replace the input {source}")
     _check_makeable(output, "--output")
     if output.exists() and not overwrite:
