@@ -274,6 +274,25 @@ def test_albert_factorised_embeddings_and_shared_layers(tmp_path):
         save_bert(model, tmp_path / "hf", require_hf=True)
 
 
+@pytest.mark.parametrize("position_encoding", POSITION_ENCODINGS)
+def test_factorised_embeddings_with_every_position_encoding(position_encoding):
+    # The additive schemes are E wide (added before the projection to d_model); RoPE rotates
+    # the attention's heads, d_model / n_heads wide, whatever E is.
+    config = BertConfig.preset("bert-tiny", vocab_size=100, position_encoding=position_encoding)
+    config = config.replace(embedding_size=32)
+    torch.manual_seed(0)
+    model = BertForPreTraining(config)
+    ids = torch.randint(5, 100, (2, 9))
+    labels = torch.full_like(ids, -100)
+    labels[:, [3, 5]] = 7
+    out = model(ids, mlm_labels=labels, nsp_labels=torch.tensor([0, 1]))
+    out["loss"].backward()
+    assert out["mlm_logits"].shape == (4, 100) and torch.isfinite(out["loss"])
+    if position_encoding == "rope":
+        d_head = config.d_model // config.n_heads
+        assert model.bert.embeddings.positions.inv_freq.shape == (d_head // 2,)
+
+
 def test_mlm_only_model_has_no_unused_parameters(tmp_path):
     torch.manual_seed(0)
     model = BertForPreTraining(BertConfig.preset("bert-tiny", vocab_size=50), sentence_head=False)

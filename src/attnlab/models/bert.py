@@ -61,6 +61,7 @@ class BertEmbeddings(nn.Module):
             relative_buckets=config.relative_buckets,
             relative_max_distance=config.relative_max_distance,
             rope_base=config.rope_base,
+            d_head=config.d_model // config.n_heads,
         )
         self.norm = nn.LayerNorm(width, eps=config.layer_norm_eps)
         self.dropout = Dropout(config.dropout)

@@ -204,8 +204,14 @@ def build_position_encoding(
     relative_buckets: int = 32,
     relative_max_distance: int = 128,
     rope_base: float = 10000.0,
+    d_head: int | None = None,
 ) -> PositionEncoding:
-    """The scheme called name, sized for this model."""
+    """The scheme called name, sized for this model.
+
+    ``d_model`` is the width the additive schemes are added to (ALBERT's embedding width E
+    where it differs from the model's); RoPE rotates the attention's heads, of ``d_head``
+    (default d_model // n_heads).
+    """
     if name == "learned":
         return LearnedPositions(d_model, max_positions)
     if name == "sinusoidal":
@@ -219,7 +225,7 @@ def build_position_encoding(
     if name == "alibi":
         return ALiBi(n_heads)
     if name == "rope":
-        return RotaryPositions(d_model // n_heads, rope_base)
+        return RotaryPositions(d_head or d_model // n_heads, rope_base)
     if name == "none":
         return PositionEncoding()
     raise AttnlabError(
