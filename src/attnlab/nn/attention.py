@@ -6,8 +6,8 @@ Multi-head attention, section 3.2.2: ``MultiHead(Q, K, V) = Concat(head_1..head_
 
 Two paths compute the same thing: the fast one calls PyTorch's fused
 ``scaled_dot_product_attention``; the explicit one spells out the formula and also returns the
-attention weights (for visualisation), and serves single-query decoding steps, where it is the
-faster of the two on CPU. Tests hold them equal.
+attention weights (for visualisation), and serves decoding steps on CPU (a few queries), where
+it is the faster of the two. Tests hold them equal.
 """
 
 from __future__ import annotations
@@ -70,11 +70,12 @@ def scaled_dot_product_attention(
     q_len, k_len = q.shape[-2], k.shape[-2]
     if causal and q_len == 1:
         causal = False  # one query at the newest position (a decoding step) sees every key
-    # A decoding step has one query per row (or one per beam, where beams share their
-    # cross-attention keys): two plain matmuls cost less there than the fused kernel's tiling
-    # (one-off micro-benchmark, 2 threads, 4 queries x 16 keys x 32 rows: 110 vs 338 us per
-    # call; bench/translate.py times the whole search).
-    few_queries = q_len <= 8 and dropout_p == 0.0
+    # A decoding step has one query per row (or one per beam, up to 8 beams, where beams share
+    # their cross-attention keys): on CPU two plain matmuls cost less there than the fused
+    # kernel's tiling (one-off micro-benchmark, 2 threads, 4 queries x 16 keys x 32 rows: 110
+    # vs 338 us per call; bench/translate.py times the whole search). Not measured on GPUs,
+    # which keep the fused kernel.
+    few_queries = q_len <= 8 and dropout_p == 0.0 and q.device.type == "cpu"
     # With dropout on CPU, SDPA falls back to its unfused math path and PyTorch's per-element
     # bernoulli mask; the explicit path with attnlab's cheaper mask does the same work faster.
     cpu_dropout = dropout_p > 0.0 and q.device.type == "cpu"

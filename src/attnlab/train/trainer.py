@@ -171,8 +171,9 @@ class Trainer:
     mode under no_grad on rank 0 and returns named floats; it cannot disturb training (the
     RNG states are put back afterwards). With ``config.best_metric`` set, ``on_best(model,
     metrics)`` is called (rank 0) after each evaluation that improves that metric, e.g. to
-    keep the best dev model. ``optimizer`` / ``scheduler`` default to those the config names. Under torchrun the model is wrapped in DistributedDataParallel and each
-    rank reads its own shard of batches; only rank 0 writes files or shows progress.
+    keep the best dev model. ``optimizer`` / ``scheduler`` default to those the config names.
+    Under torchrun the model is wrapped in DistributedDataParallel and each rank reads its own
+    shard of batches; only rank 0 writes files or shows progress.
     """
 
     def __init__(
@@ -277,6 +278,8 @@ class Trainer:
         if self.is_main:
             plot_loss_curve(self.log.rows, cfg.out_dir / PLOT_FILE)
         wall = time.perf_counter() - self._started
+        # tokens_per_s: this session's tokens over its whole wall time, evaluation, checkpoints
+        # and restoring included (metrics.jsonl's rows count training time only).
         return {
             "step": self.step,
             "loss": self.last_train.get("loss"),
@@ -362,7 +365,8 @@ class Trainer:
         """Average the window over steps and ranks, append it to metrics.jsonl, start a new one."""
         window = self._window
         keys = sorted(window.sums)
-        # One all-reduce for every value, and .item() only here: no per-step host sync.
+        # One all-reduce for the values, one for the token count, and .item() only here: no
+        # per-step host sync.
         totals = torch.stack([window.sums[k].double() for k in keys])
         tokens = torch.tensor([window.tokens], dtype=torch.int64, device=self.device)
         totals, tokens = all_reduce_sum(totals), all_reduce_sum(tokens)
@@ -427,7 +431,7 @@ class Trainer:
 
     def _last_row(self, eval_rows: bool) -> dict[str, Any]:
         for row in reversed(self.log.rows):
-            if bool(row.get("eval")) == eval_rows:  # as _log / _run_evaluation keep them
+            if bool(row.get("eval")) == eval_rows:  # as _log_window / _run_evaluation keep them
                 return {k: v for k, v in row.items() if k not in ("step", "eval", "best")}
         return {}
 
@@ -443,8 +447,10 @@ class Trainer:
         if out.exists() and not out.is_dir():
             raise AttnlabError(f"output {out} exists and is not a directory")
         root = self.checkpoint_root
-        holds_run = (out / METRICS_FILE).exists() or (root.is_dir() and any(root.iterdir()))
-        if holds_run and not (cfg.resume or cfg.overwrite):
+        # Laxer than holds_run (the CLI's check): an empty checkpoints folder, left by a start
+        # killed before its first checkpoint, holds nothing a fresh start would lose.
+        has_progress = (out / METRICS_FILE).exists() or (root.is_dir() and any(root.iterdir()))
+        if has_progress and not (cfg.resume or cfg.overwrite):
             raise AttnlabError(
                 f"{out} holds a run: pass --resume to continue or --overwrite to start over"
             )
