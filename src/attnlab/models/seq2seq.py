@@ -10,8 +10,8 @@ Read top to bottom like the paper:
 - section 3.4, the output: a linear projection to the target vocabulary (softmax in the loss);
 - section 5.4, label smoothing with epsilon_ls = 0.1.
 
-Teacher forcing (section 5): the decoder reads the target "shifted right" (``<bos> y1 ...
-y_{m-1}``) and predicts ``y1 ... y_m <eos>``; the causal mask keeps position t from seeing
+Teacher forcing (section 5): the decoder reads the target "shifted right" (``<sos> y1 ...
+y_m``) and predicts ``y1 ... y_m <eos>``; the causal mask keeps position t from seeing
 later targets. Greedy and beam search live in ``attnlab.decode``.
 """
 
