@@ -293,6 +293,22 @@ def test_factorised_embeddings_with_every_position_encoding(position_encoding):
         assert model.bert.embeddings.positions.inv_freq.shape == (d_head // 2,)
 
 
+@pytest.mark.parametrize("position_encoding", POSITION_ENCODINGS)
+def test_pretraining_trains_every_parameter(position_encoding):
+    # BERT trains with attention dropout 0.1, which on CPU runs attention's own backward pass
+    # (nn/attention.py: _DropoutAttention): every parameter, a relative-bias table included,
+    # must get a gradient.
+    config = BertConfig.preset("bert-tiny", vocab_size=100, position_encoding=position_encoding)
+    torch.manual_seed(0)
+    model = BertForPreTraining(config).train()
+    ids = torch.randint(5, 100, (2, 9))
+    labels = torch.full_like(ids, -100)
+    labels[:, [2, 6]] = 7
+    model(ids, mlm_labels=labels, nsp_labels=torch.tensor([0, 1]))["loss"].backward()
+    missing = {name for name, p in model.named_parameters() if p.grad is None}
+    assert not missing, f"parameters without gradient: {missing}"
+
+
 def test_mlm_only_model_has_no_unused_parameters(tmp_path):
     torch.manual_seed(0)
     model = BertForPreTraining(BertConfig.preset("bert-tiny", vocab_size=50), sentence_head=False)

@@ -170,6 +170,39 @@ def test_training_attention_equals_the_explicit_path_with_the_same_mask(case: st
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_training_attention_trains_a_learned_bias() -> None:
+    # A learned score bias (T5's relative positions, broadcast over the batch) plus padding:
+    # _DropoutAttention gives it the explicit path's gradient (it once gave it none, so
+    # relative_bias tables never trained on CPU with attention dropout), also through
+    # query_rows, and in float64 the numerical one.
+    g = torch.Generator().manual_seed(15)
+    mha = MultiHeadAttention(16, 4, dropout=0.2).train()
+    x = torch.randn(3, 7, 16, generator=g)
+    learned = torch.randn(1, 4, 7, 7, generator=g, requires_grad=True)
+    keep = torch.ones(3, 7, dtype=torch.long)
+    keep[1, 4:] = 0
+    for rows in (None, torch.tensor([[0, 2], [1, 3], [0, 6]])):
+        upstream = torch.randn(3, 7 if rows is None else 2, 16, generator=g)
+        grads = []
+        for need_weights in (False, True):
+            torch.manual_seed(16)
+            bias = padding_bias(keep, torch.float32) + learned
+            out, weights, _ = mha(x, bias=bias, need_weights=need_weights, query_rows=rows)
+            assert (weights is None) != need_weights
+            grads.append(torch.autograd.grad(out, learned, upstream)[0])
+        assert grads[0].abs().sum() > 0
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+    mha.double()
+    x64, learned64 = x.double(), learned.detach().double().requires_grad_()
+
+    def attend(table: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(17)
+        return mha(x64, bias=table)[0]
+
+    assert torch.autograd.gradcheck(attend, (learned64,))
+
+
 def test_training_attention_gradient_is_the_numerical_one() -> None:
     # float64 central differences through _DropoutAttention, the mask drawn from one seed
     # in every evaluation.

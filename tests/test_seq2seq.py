@@ -152,8 +152,11 @@ def test_forward_loss_is_smoothed_mean_over_target_tokens() -> None:
         assert abs(out["nll_loss"].item() - plain.item()) < 1e-5
 
 
-def test_loss_trains_every_parameter_once() -> None:
-    model = tiny(position_encoding="learned").train()
+@pytest.mark.parametrize("position_encoding", ENCODINGS)
+def test_loss_trains_every_parameter_once(position_encoding: str) -> None:
+    # With attention dropout, CPU training attention runs its own backward pass
+    # (nn/attention.py: _DropoutAttention), which must reach a relative-bias table too.
+    model = tiny(position_encoding=position_encoding, attention_dropout=0.1).train()
     src, mask = source_batch()
     tgt = torch.randint(3, 23, (3, 5))
     model(src, tgt, tgt, src_mask=mask)["loss"].backward()

@@ -143,10 +143,13 @@ class _DropoutAttention(torch.autograd.Function):
         out = torch.bmm(kept, v).mul_(keep_scale)
         ctx.save_for_backward(scaled_q, k, v, weights, keep, kept)
         ctx.sizes, ctx.keep_scale, ctx.fused = (b, heads, q_len, k_len, d), keep_scale, fused
+        ctx.bias_shape = None if bias is None else bias.shape
         return out.view(b, heads, q_len, d).transpose(1, 2).reshape(b, q_len, d_model)
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, Tensor | None, None, None, None]:
+    def backward(
+        ctx: FunctionCtx, grad: Tensor
+    ) -> tuple[Tensor, Tensor | None, None, Tensor | None, None]:
         scaled_q, k, v, weights, keep, kept = ctx.saved_tensors
         b, heads, q_len, k_len, d = ctx.sizes
         grad = grad.view(b, q_len, heads, d).transpose(1, 2).reshape(b * heads, q_len, d)
@@ -155,6 +158,10 @@ class _DropoutAttention(torch.autograd.Function):
         grad_scores = torch._softmax_backward_data(grad_weights, weights, -1, weights.dtype)
         grad_q = torch.bmm(grad_scores, k).mul_(ctx.keep_scale / math.sqrt(d))
         grad_k = torch.bmm(grad_scores.transpose(1, 2), scaled_q).mul_(ctx.keep_scale)
+        grad_bias = None
+        if ctx.needs_input_grad[3]:  # a learned bias (T5's relative positions) trains too
+            scores_grad = grad_scores.view(b, heads, q_len, k_len) * ctx.keep_scale
+            grad_bias = scores_grad.sum_to_size(ctx.bias_shape)
 
         # Into the layout the projections wrote: (batch, len, [q k v], heads, d_head).
         if ctx.fused:
@@ -167,7 +174,7 @@ class _DropoutAttention(torch.autograd.Function):
         for part, g in zip(parts, (grad_q, grad_k, grad_v), strict=True):
             part.copy_(g.view(b, heads, -1, d).transpose(1, 2))
         grad_kv_in = None if ctx.fused else grad_kv_in.flatten(2)
-        return grad_q_in.flatten(2), grad_kv_in, None, None, None
+        return grad_q_in.flatten(2), grad_kv_in, None, grad_bias, None
 
 
 def gather_rows(x: Tensor, rows: Tensor) -> Tensor:
