@@ -7,7 +7,9 @@ an encoder of N Transformer layers; the pooler (dense + tanh on [CLS]); the mask
 next-sentence head (a linear layer on the pooled [CLS]).
 
 Parameter shapes match HF transformers' ``BertModel`` so checkpoints map one-to-one
-(``attnlab.interop.hf``); the only change is that Q, K and V share one fused matrix.
+(``attnlab.interop.hf``), Q, K and V sharing one fused matrix. Beyond the paper, as config
+options: any positional scheme of ``nn/positions.py``, pre-LN layers, and ALBERT's factorised
+embeddings and cross-layer sharing (such models are saved in attnlab's own format).
 """
 
 from __future__ import annotations
@@ -296,7 +298,7 @@ class BertForPreTraining(nn.Module):
             loss = summed_cross_entropy(logits.float(), mlm_labels[masked]) / mlm_normalizer
         elif logits.numel():
             loss = summed_cross_entropy(logits.float(), mlm_labels[masked]) / len(logits)
-        else:
+        else:  # nothing masked: a zero loss still connected to the graph, so backward() works
             loss = hidden.sum() * 0.0
         result["mlm_loss"] = loss
         if nsp_labels is not None and self.nsp is not None:

@@ -1,4 +1,4 @@
-"""The encoder-decoder Transformer (Vaswani et al. 2017, section 3; MISSION M4).
+"""The encoder-decoder Transformer (Vaswani et al. 2017, section 3).
 
 Read top to bottom like the paper:
 - section 3.4, embeddings: a learned table per token, multiplied by sqrt(d_model); with a

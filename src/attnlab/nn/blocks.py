@@ -1,9 +1,9 @@
-"""Transformer blocks (Vaswani et al. 2017, section 3.1 and 3.3; MISSION M3).
+"""Transformer blocks (Vaswani et al. 2017, sections 3.1 and 3.3).
 
 - Position-wise feed-forward, eq. (2): ``FFN(x) = act(x W1 + b1) W2 + b2``.
 - Residual + LayerNorm in both arrangements: post-LN ``LN(x + Sublayer(x))`` (the paper, BERT)
-  and pre-LN ``x + Sublayer(LN(x))`` (GPT-2 and later; trains without warm-up tricks, and its
-  stack ends with one more LayerNorm).
+  and pre-LN ``x + Sublayer(LN(x))`` (GPT-2 and later, analysed by Xiong et al. 2020; trains
+  without warm-up tricks, and its stack ends with one more LayerNorm).
 - Encoder layer: self-attention + FFN. Decoder layer: masked self-attention + cross-attention
   over the encoder output + FFN. Stacks of N layers.
 """
@@ -41,7 +41,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """(batch, seq, d_model) -> (batch, seq, d_model)."""
-        packed = self.fc1.__dict__.get("forward")  # set inside packed_linears (decoding)
+        packed = self.fc1.__dict__.get("forward")  # set inside packed_linears (inference)
         if self.act is F.relu and isinstance(packed, PackedLinear):
             return self.fc2(packed(x, relu=True))  # ReLU applied as the product is written
         return self.fc2(self.act(self.fc1(x)))
@@ -54,7 +54,8 @@ class KeptRows:
     ``index`` (batch, q) lists each sequence's kept positions in ascending order, padded with
     other positions up to q, the largest count; ``valid`` (batch, q) marks the kept entries,
     or is None when every sequence keeps q. ``flatten`` turns (batch, q, d) into the kept
-    rows (count, d) in the row-major order of ``keep``, i.e. ``full_output[keep]``.
+    rows (count, d) in the row-major order of the mask given to ``from_mask``, i.e.
+    ``full_output[mask]``.
     """
 
     index: Tensor

@@ -1,4 +1,4 @@
-"""Positional information (MISSION M2): every scheme behind one small interface.
+"""Positional information: every scheme behind one small interface.
 
 Self-attention is order-blind, so position must enter somewhere. The schemes differ in *where*:
 
@@ -30,7 +30,8 @@ class PositionEncoding(nn.Module):
     def embed(self, positions: Tensor, lengths: Tensor | None = None) -> Tensor | None:
         """Vectors to add to token embeddings: positions (seq,) -> (seq, d_model), or None.
 
-        ``lengths`` (batch,) is the unpadded length of each sequence (only ``normalized`` uses it).
+        ``lengths`` (batch,) is the unpadded length of each sequence; only ``normalized`` uses
+        it, and then returns (batch, seq, d_model), each sequence's own codes.
         """
         return None
 
@@ -70,6 +71,7 @@ class SinusoidalPositions(PositionEncoding):
         self.register_buffer("table", sinusoidal_table(max_positions, d_model), persistent=False)
 
     def embed(self, positions: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """The table's rows at these positions: (seq,) -> (seq, d_model)."""
         _check_range(positions, self.max_positions)
         return self.table[positions]
 
@@ -83,6 +85,7 @@ class LearnedPositions(PositionEncoding):
         self.weight = nn.Parameter(torch.empty(max_positions, d_model).normal_(std=0.02))
 
     def embed(self, positions: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """The trained vectors at these positions: (seq,) -> (seq, d_model)."""
         _check_range(positions, self.max_positions)
         return self.weight[positions]
 
@@ -95,6 +98,7 @@ class NormalizedPositions(PositionEncoding):
         self.d_model = d_model
 
     def embed(self, positions: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """pos / (length - 1) in every dimension: (seq,) -> (batch, seq, d_model)."""
         pos = positions.float()
         if lengths is None:
             lengths = torch.full((1,), positions.shape[-1], device=positions.device)
@@ -111,6 +115,7 @@ class IntegerPositions(PositionEncoding):
         self.d_model = d_model
 
     def embed(self, positions: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """pos + 1 in every dimension: (seq,) -> (seq, d_model)."""
         value = positions.float() + 1
         return value.unsqueeze(-1).expand(*value.shape, self.d_model)
 
@@ -150,6 +155,7 @@ class RelativePositionBias(PositionEncoding):
         nn.init.normal_(self.bias.weight, std=0.02)
 
     def attention_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        """Each head's learned scalar for the bucket of k - q: (1, heads, q_len, k_len)."""
         relative = k_positions[None, :] - q_positions[:, None]  # (q, k)
         buckets = relative_buckets(relative, self.n_buckets, self.max_distance, self.bidirectional)
         return self.bias(buckets).permute(2, 0, 1).unsqueeze(0)  # (1, heads, q, k)
@@ -177,6 +183,7 @@ class ALiBi(PositionEncoding):
         self.register_buffer("slopes", alibi_slopes(n_heads), persistent=False)
 
     def attention_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        """-slope_h * |i - j| for query i and key j: (1, heads, q_len, k_len)."""
         distance = (k_positions[None, :] - q_positions[:, None]).abs().float()  # (q, k)
         return (-self.slopes[:, None, None] * distance).unsqueeze(0)
 
@@ -190,6 +197,7 @@ class RotaryPositions(PositionEncoding):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(cos, sin), each (seq, d_head), of the angles pos * base^(-2i/d_head)."""
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # (seq, d_head / 2)
         angles = torch.cat((angles, angles), dim=-1)  # pairs (i, i + d/2), see rotate_half
         return angles.cos(), angles.sin()
