@@ -309,6 +309,29 @@ def test_pretraining_trains_every_parameter(position_encoding):
     assert not missing, f"parameters without gradient: {missing}"
 
 
+def test_models_hf_cannot_run_are_saved_so_that_hf_refuses_them(tmp_path):
+    # HF's BertModel would load a RoPE model with fresh, random position embeddings and a
+    # warning; the config's model_type makes transformers refuse it, and attnlab loads it back.
+    from transformers import AutoModel
+
+    config = BertConfig.preset("bert-tiny", vocab_size=100, position_encoding="rope")
+    torch.manual_seed(0)
+    model = BertModel(config).eval()
+    save_bert(model, tmp_path / "rope")
+    assert (
+        json.loads((tmp_path / "rope" / "config.json").read_text())["model_type"] == "attnlab-bert"
+    )
+    with pytest.raises(ValueError, match="attnlab-bert"):
+        AutoModel.from_pretrained(tmp_path / "rope")
+    ids = torch.randint(5, 100, (2, 6))
+    with torch.no_grad():
+        assert torch.equal(
+            load_bert(tmp_path / "rope")(ids).last_hidden_state, model(ids).last_hidden_state
+        )
+    save_bert(BertModel(config.replace(position_encoding="learned")), tmp_path / "plain")
+    assert json.loads((tmp_path / "plain" / "config.json").read_text())["model_type"] == "bert"
+
+
 def test_mlm_only_model_has_no_unused_parameters(tmp_path):
     torch.manual_seed(0)
     model = BertForPreTraining(BertConfig.preset("bert-tiny", vocab_size=50), sentence_head=False)

@@ -110,8 +110,13 @@ def config_from_hf(data: dict[str, Any], source: str = "config.json") -> BertCon
 
 
 def config_to_hf(config: BertConfig, architecture: str = "BertForPreTraining") -> dict[str, Any]:
-    """An HF BERT config.json dict for this config (attnlab-only settings under 'attnlab')."""
-    data: dict[str, Any] = {"architectures": [architecture], "model_type": "bert"}
+    """An HF BERT config.json dict for this config (attnlab-only settings under 'attnlab').
+
+    A config HF's BERT cannot run exactly (hf_compatible) gets model_type "attnlab-bert", so
+    transformers refuses it instead of loading it with missing or misread weights.
+    """
+    model_type = "bert" if hf_compatible(config) is None else "attnlab-bert"
+    data: dict[str, Any] = {"architectures": [architecture], "model_type": model_type}
     for ours, theirs in HF_FIELDS.items():
         data[theirs] = getattr(config, ours)
     data["hidden_act"] = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}[
