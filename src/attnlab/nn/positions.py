@@ -91,7 +91,12 @@ class LearnedPositions(PositionEncoding):
 
 
 class NormalizedPositions(PositionEncoding):
-    """Teaching baseline: the scalar pos / (length - 1), added to every dimension."""
+    """Teaching baseline: the scalar pos / (length - 1), added to every dimension.
+
+    A position's code depends on the sentence's length, so it changes as a decoder's output
+    grows: cached decoding, which keeps earlier positions' keys, then differs from recomputing
+    them (and neither sees the length that teacher forcing divided by).
+    """
 
     def __init__(self, d_model: int) -> None:
         super().__init__()
