@@ -250,6 +250,30 @@ def test_embed_small_batches_keep_input_order(cli, minilm_dir, hf_minilm, hf_tok
         assert max_diff(vector, reference[0]) <= TOLERANCE
 
 
+def test_embed_and_fill_mask_from_python_switch_dropout_off(minilm_dir, tiny_mlm_dir, hf_reference):
+    # A model left in training mode (after fine-tuning, say) must not drop out while it
+    # embeds or fills masks, and comes back in training mode; a single string is one text.
+    from attnlab.interop.hf import load_bert
+    from attnlab.tasks.embed import embed
+    from attnlab.tasks.pretrain import fill_mask
+
+    model = load_bert(minilm_dir).train()
+    tokenizer = BertTokenizer.from_vocab(minilm_dir / "vocab.txt")
+    vectors = embed(model, tokenizer, VARIED_SENTENCES)
+    assert model.training
+    assert max_diff([v.tolist() for v in vectors], hf_mean(*hf_reference)) <= 1e-5
+    (one,) = embed(model, tokenizer, VARIED_SENTENCES[0])
+    torch.testing.assert_close(one, vectors[0], rtol=1e-5, atol=1e-6)
+
+    mlm = load_bert(tiny_mlm_dir, heads=True)
+    tokenizer = BertTokenizer.from_vocab(tiny_mlm_dir / "vocab.txt")
+    expected = fill_mask(mlm.eval(), tokenizer, "the [MASK] sat on the [MASK].")
+    mlm.train()
+    for _ in range(2):
+        assert fill_mask(mlm, tokenizer, "the [MASK] sat on the [MASK].") == expected
+    assert mlm.training
+
+
 def test_embed_input_file_equals_stdin(cli, tiny_dir, tmp_path):
     lines = ["short", "", VARIED_SENTENCES[1], "x y"]
     file = tmp_path / "lines.txt"

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from attnlab.errors import AttnlabError
 from attnlab.models.seq2seq import Transformer
+from attnlab.nn.dropout import eval_mode
 
 Batch = TypeVar("Batch")
 Result = TypeVar("Result")
@@ -42,13 +43,8 @@ def gnmt_length_penalty(length: Tensor | float, alpha: float) -> Tensor | float:
 def _eval_mode(model: Transformer) -> Iterator[None]:
     # Decoding must not drop out; restore the caller's mode afterwards (it may be training).
     # The weights are fixed while decoding, so the projections run on packed weights.
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode(), model.packed():
-            yield
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.inference_mode(), model.packed():
+        yield
 
 
 def _prepare(

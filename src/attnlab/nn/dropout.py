@@ -23,6 +23,8 @@ after each operation PyTorch's OpenMP thread keeps the second core busy waiting 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -105,6 +107,17 @@ def add_dropout(x: Tensor, h: Tensor, p: float, training: bool = True) -> Tensor
         and has_keep_mask(p)
     )
     return _masked_sum(x, h, p) if fused else x + dropout(h, p, training)
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """The model in evaluation mode (no dropout) inside the block, in the caller's mode after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 class Dropout(nn.Dropout):

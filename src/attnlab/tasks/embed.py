@@ -20,6 +20,7 @@ from torch import Tensor
 
 from attnlab.errors import AttnlabError
 from attnlab.models.bert import BertModel, cls_only
+from attnlab.nn.dropout import eval_mode
 from attnlab.nn.packed import packed_linears
 from attnlab.text.tokenizer import BertTokenizer, Encoding
 
@@ -77,7 +78,7 @@ def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
 def embed(
     model: BertModel,
     tokenizer: BertTokenizer,
-    texts: Sequence[str],
+    texts: Sequence[str] | str,
     pooling: str = "mean",
     normalize: bool = False,
     max_length: int | None = None,
@@ -92,7 +93,11 @@ def embed(
 
     max_length defaults to the model's max_positions; longer texts are truncated (reported
     through on_truncate with the count) or, when truncate=False, an error naming the line.
+    A single string is one text. The model runs in evaluation mode (no dropout) and is left
+    in the mode it came in.
     """
+    if isinstance(texts, str):
+        texts = [texts]
     if pooling not in POOLINGS:
         raise AttnlabError(f"unknown pooling {pooling!r} (choose from mean, cls, none)")
     for flag, value in (("--batch-size", max_batch), ("--batch-tokens", max_tokens)):
@@ -114,7 +119,7 @@ def embed(
     results: list[Tensor | None] = [None] * len(encodings)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else nullcontext()
     # fp32 runs on weights packed once for every batch (bf16 autocast takes the plain path).
-    with packed_linears(model) if dtype is None else nullcontext():
+    with eval_mode(model), packed_linears(model) if dtype is None else nullcontext():
         for batch in length_batches(encodings, tokenizer.pad_id, max_tokens, max_batch):
             # [CLS] pooling reads one row, so the last layer computes only that row.
             keep = cls_only(batch.input_ids) if pooling == "cls" else None

@@ -29,6 +29,7 @@ from attnlab.errors import AttnlabError
 from attnlab.interop.hf import load_bert, save_bert, weight_names
 from attnlab.io import check_input_file, clear_dir
 from attnlab.models.bert import BertForPreTraining
+from attnlab.nn.dropout import eval_mode
 from attnlab.nn.packed import packed_linears
 from attnlab.text.masking import MaskingCollator, static_generator
 from attnlab.text.pretraining import OBJECTIVES, Example, ExampleBuilder, TokenizedCorpus
@@ -603,7 +604,8 @@ def fill_mask(
     """For each [MASK] in text, the top_k (token, probability) predictions of the MLM head.
 
     A text longer than the model's positions is cut to them (on_truncate gets its length in
-    tokens); a [MASK] that the cut would drop is an error.
+    tokens); a [MASK] that the cut would drop is an error. The model runs in evaluation mode
+    (no dropout) and is left in the mode it came in.
     """
     if top_k < 1:
         raise AttnlabError("--top-k must be at least 1")
@@ -623,8 +625,9 @@ def fill_mask(
             on_truncate(len(tokens) + 2)
     if len(positions) == 0:
         raise AttnlabError(f"no [MASK] in {shown!r}: mark each position to fill with [MASK]")
-    hidden = model.bert(ids, token_type_ids=torch.tensor([enc.type_ids])).last_hidden_state
-    probs = torch.softmax(model.mlm(hidden[0, positions]).float(), dim=-1)
+    with eval_mode(model):
+        hidden = model.bert(ids, token_type_ids=torch.tensor([enc.type_ids])).last_hidden_state
+        probs = torch.softmax(model.mlm(hidden[0, positions]).float(), dim=-1)
     top = probs.topk(min(top_k, probs.shape[-1]), dim=-1)
     return [
         list(zip(tokenizer.convert_ids_to_tokens(idx.tolist()), p.tolist(), strict=True))
