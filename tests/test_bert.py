@@ -332,6 +332,28 @@ def test_models_hf_cannot_run_are_saved_so_that_hf_refuses_them(tmp_path):
     assert json.loads((tmp_path / "plain" / "config.json").read_text())["model_type"] == "bert"
 
 
+@pytest.mark.parametrize(
+    "inputs, fragment",
+    [
+        ({"input_ids": torch.tensor([101, 7, 102])}, r"\(batch, seq\) tensor of integer token ids"),
+        ({"input_ids": torch.ones(1, 4)}, "integer token ids, got torch.float32"),
+        ({"input_ids": [[101, 7, 102]]}, "a tensor of token ids, got list"),
+        # an all-ones mask of the wrong shape was ignored in silence
+        ({"attention_mask": torch.ones(1, 2, dtype=torch.long)}, "attention_mask must be a tensor"),
+        (
+            {"token_type_ids": torch.zeros(1, 3, dtype=torch.long)},
+            "token_type_ids must be a tensor",
+        ),
+        ({"input_ids": torch.zeros(1, 0, dtype=torch.long)}, "holds no tokens"),
+    ],
+)
+def test_malformed_inputs_are_clear_errors(inputs, fragment):
+    model = BertModel(BertConfig.preset("bert-tiny", vocab_size=100)).eval()
+    args = {"input_ids": torch.tensor([[1, 5, 6, 2]]), **inputs}
+    with pytest.raises(AttnlabError, match=fragment):
+        model(**args)
+
+
 def test_mlm_only_model_has_no_unused_parameters(tmp_path):
     torch.manual_seed(0)
     model = BertForPreTraining(BertConfig.preset("bert-tiny", vocab_size=50), sentence_head=False)

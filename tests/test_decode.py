@@ -323,3 +323,37 @@ def test_tiny_model_learns_to_reverse_and_decodes_exactly() -> None:
     expected = [[t for t in row if t not in (PAD, EOS)] for row in tgt_out.tolist()]
     assert greedy_search(model, src) == expected
     assert beam_search(model, src, beam_size=4) == expected
+
+
+@pytest.mark.parametrize(
+    "search, options, fragment",
+    [
+        ("beam", {"length_penalty": float("nan")}, "--length-penalty"),  # gave pad-id outputs
+        ("greedy", {"max_len_a": -5.0, "max_len_b": 0.0}, "--max-len-a and --max-len-b"),
+        ("greedy", {"max_len_b": float("nan")}, "--max-len-a and --max-len-b"),  # gave []
+        ("beam", {"beam_size": 0}, "--beam must be from 1"),
+    ],
+)
+def test_searches_refuse_settings_that_give_no_sentences(search, options, fragment) -> None:
+    model = peaky_model()
+    src, mask = sources(2)
+    run = beam_search if search == "beam" else greedy_search
+    with pytest.raises(AttnlabError, match=fragment):
+        run(model, src, mask, **options)
+
+
+def test_searches_refuse_malformed_sources_and_take_an_empty_batch() -> None:
+    model = peaky_model()
+    src, mask = sources(2)
+    for run in (greedy_search, beam_search):
+        assert run(model, src[:0], mask[:0]) == []
+        with pytest.raises(AttnlabError, match="src_mask must be a tensor shaped like src_ids"):
+            run(model, src, mask[:, :2])  # was ignored by attention, yet set the output lengths
+        with pytest.raises(AttnlabError, match="src_mask must be a tensor shaped like src_ids"):
+            run(model, src, mask[:1])
+        with pytest.raises(AttnlabError, match=r"\(batch, seq\) tensor of integer token ids"):
+            run(model, src[0])
+    with pytest.raises(AttnlabError, match="tgt_in has 4 rows but src_ids 2"):
+        model(src, torch.ones(4, 3, dtype=torch.long))  # was broadcast as beams sharing a source
+    with pytest.raises(AttnlabError, match="tgt_out must be a tensor shaped like tgt_in"):
+        model(src, torch.ones(2, 3, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))

@@ -17,6 +17,7 @@ paper's alpha = 0.6 was tuned for that formula (``L ** alpha`` would penalise di
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnlab.errors import AttnlabError
+from attnlab.errors import AttnlabError, check_token_batch
 from attnlab.models.seq2seq import Transformer
 from attnlab.nn.dropout import eval_mode
 
@@ -47,10 +48,36 @@ def _eval_mode(model: Transformer) -> Iterator[None]:
         yield
 
 
+# GNMT's alpha is about 0.6-1 in practice; ((5 + L) / 6) ** alpha overflows a float (an
+# OverflowError) from about alpha 100 at a thousand tokens.
+MAX_LENGTH_PENALTY = 50.0
+MAX_BEAM = 1024  # beyond any useful search; a larger one only runs out of memory
+
+
+def check_search_options(
+    beam_size: int, length_penalty: float, max_len_a: float, max_len_b: float
+) -> None:
+    """Refuse search settings that give no real sentences (named as the CLI's options)."""
+    if not 1 <= beam_size <= MAX_BEAM:
+        raise AttnlabError(f"--beam must be from 1 to {MAX_BEAM}, got {beam_size}")
+    # A one-token source must be allowed one output token: a + b >= 1 (NaN fails every test).
+    if not (0 <= max_len_a < math.inf and 0 <= max_len_b < math.inf and max_len_a + max_len_b >= 1):
+        raise AttnlabError(
+            f"--max-len-a and --max-len-b must be finite, >= 0 and sum to at least 1 "
+            f"(got {max_len_a}, {max_len_b})"
+        )
+    if not -MAX_LENGTH_PENALTY <= length_penalty <= MAX_LENGTH_PENALTY:  # NaN fails too
+        raise AttnlabError(
+            f"--length-penalty must be from {-MAX_LENGTH_PENALTY} to {MAX_LENGTH_PENALTY}, "
+            f"got {length_penalty}"
+        )
+
+
 def _prepare(
     model: Transformer, src_ids: Tensor, src_mask: Tensor | None, a: float, b: float
 ) -> tuple[Tensor, Tensor]:
     """The source mask (batch, src_len) and each sentence's max output length (batch,)."""
+    check_token_batch(src_ids, "src_ids", src_mask=src_mask)
     if src_mask is None:
         src_mask = src_ids != model.config.pad_id
     src_mask = src_mask.to(torch.bool)
@@ -117,6 +144,7 @@ def greedy_search(
     use_cache: bool = True,
 ) -> list[list[int]]:
     """The most probable next token at every step, for each source sentence (batch, src_len)."""
+    check_search_options(1, 0.0, max_len_a, max_len_b)
     cfg = model.config
     with _eval_mode(model):
         src_mask, max_lens = _prepare(model, src_ids, src_mask, max_len_a, max_len_b)
@@ -170,8 +198,9 @@ def beam_search(
     so a beam of score s ends at best with s / lp(max_len + 1) (for alpha >= 0). The search
     stops when every sentence has.
     """
-    if beam_size < 1:
-        raise AttnlabError(f"beam_size must be at least 1, got {beam_size}")
+    check_search_options(beam_size, length_penalty, max_len_a, max_len_b)
+    if len(src_ids) == 0:
+        return []
     cfg, k, alpha = model.config, beam_size, length_penalty
     with _eval_mode(model):
         src_mask, max_lens = _prepare(model, src_ids, src_mask, max_len_a, max_len_b)

@@ -1,5 +1,35 @@
 """The one user-facing error type: the CLI prints its message on one line and exits 2."""
 
+from __future__ import annotations
+
+from typing import Any
+
 
 class AttnlabError(Exception):
     """A problem the user can fix (bad input, missing file, wrong option), stated in one line."""
+
+
+def check_token_batch(ids: Any, name: str, **same_shape: Any) -> None:
+    """Refuse ids that are not a (batch, seq) integer tensor, or companions shaped otherwise.
+
+    ``same_shape`` names tensors (or None) that must be shaped like ids: masks, segment ids.
+    """
+    import torch  # here, so that importing the error type stays cheap
+
+    if not isinstance(ids, torch.Tensor):
+        raise AttnlabError(f"{name} must be a tensor of token ids, got {type(ids).__name__}")
+    if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype.is_complex:
+        raise AttnlabError(
+            f"{name} must be a (batch, seq) tensor of integer token ids, got {ids.dtype} "
+            f"{tuple(ids.shape)}"
+        )
+    for other, tensor in same_shape.items():
+        if tensor is not None and (
+            not isinstance(tensor, torch.Tensor) or tensor.shape != ids.shape
+        ):
+            shape = (
+                tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            )
+            raise AttnlabError(
+                f"{other} must be a tensor shaped like {name} {tuple(ids.shape)}, got {shape}"
+            )

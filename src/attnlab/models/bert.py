@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.config import BertConfig
-from attnlab.errors import AttnlabError
+from attnlab.errors import AttnlabError, check_token_batch
 from attnlab.nn.attention import padding_bias
 from attnlab.nn.blocks import ACTIVATION_FUNCTIONS, Encoder
 from attnlab.nn.dropout import Dropout
@@ -161,7 +161,12 @@ class BertModel(nn.Module):
         those, and ``last_hidden_state`` is then (count, d_model), equal to the full output
         indexed by ``keep``. The pooler then needs position 0 kept in every sequence.
         """
+        check_token_batch(
+            input_ids, "input_ids", attention_mask=attention_mask, token_type_ids=token_type_ids
+        )
         seq_len = input_ids.shape[1]
+        if seq_len == 0:
+            raise AttnlabError("input_ids holds no tokens (seq length 0)")
         if seq_len > self.config.max_positions:
             raise AttnlabError(
                 f"input has {seq_len} tokens but the model takes at most "

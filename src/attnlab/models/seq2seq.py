@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.config import TransformerConfig
-from attnlab.errors import AttnlabError
+from attnlab.errors import AttnlabError, check_token_batch
 from attnlab.nn.attention import KVCache, MultiHeadAttention, padding_bias
 from attnlab.nn.blocks import Decoder, Encoder
 from attnlab.nn.dropout import Dropout
@@ -166,6 +166,7 @@ class Transformer(nn.Module):
 
         src_mask (batch, src_len) is True/1 for real tokens; by default ``src_ids != pad_id``.
         """
+        check_token_batch(src_ids, "src_ids", src_mask=src_mask)
         if src_mask is None:
             src_mask = src_ids != self.config.pad_id
         src_len = src_ids.shape[1]
@@ -272,6 +273,12 @@ class Transformer(nn.Module):
         "nll_loss" (the same without smoothing: log-perplexity per token) and "n_tokens"; the
         projection then runs only at non-pad positions and the logits are not kept.
         """
+        check_token_batch(src_ids, "src_ids", src_mask=src_mask)
+        check_token_batch(tgt_in, "tgt_in", tgt_out=tgt_out)
+        if len(tgt_in) != len(src_ids):
+            raise AttnlabError(
+                f"tgt_in has {len(tgt_in)} rows but src_ids {len(src_ids)}: one target per source"
+            )
         if src_mask is None:
             src_mask = src_ids != self.config.pad_id
         # A tied projection's weight taken before the lookups: its gradient is summed in place.

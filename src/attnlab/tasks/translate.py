@@ -31,7 +31,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
 from attnlab.config import TRANSFORMER_PRESETS, TransformerConfig
-from attnlab.decode import translate_batches
+from attnlab.decode import MAX_BEAM, check_search_options, translate_batches
 from attnlab.errors import AttnlabError
 from attnlab.interop.hf import all_finite
 from attnlab.io import clear_dir, write_text_atomic, write_with_atomic
@@ -64,14 +64,10 @@ from attnlab.train.trainer import (
     holds_run,
 )
 
-# GNMT's alpha is about 0.6-1 in practice; ((5 + L) / 6) ** alpha overflows a float (an
-# OverflowError) from about alpha 100 at a thousand tokens.
-MAX_LENGTH_PENALTY = 50.0
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names
 MODEL_TYPE = "attnlab-transformer"  # config.json marker of a translation model directory
 CONFIG_FILE = "config.json"
 BEST_DIR = "best"
-MAX_BEAM = 1024  # beyond any useful search; a larger one only runs out of memory
 # Defaults of options left unset: a paper-like run on the user's data, or a quick one (about
 # a minute on 2 cores) of a 2-layer, d_model-128 model on the bundled sample.
 RUN_DEFAULTS: dict[str, Any] = {
@@ -190,21 +186,11 @@ def translate_lines(
     ``workers`` batches decode at once, sharing the torch threads (decode.py: map_batches);
     None: one per thread on CPU, 1 on a GPU.
     """
-    if not 1 <= beam <= MAX_BEAM or batch_size < 1:
-        raise AttnlabError(f"--beam must be from 1 to {MAX_BEAM} and --batch-size at least 1")
+    if batch_size < 1:
+        raise AttnlabError("--batch-size must be at least 1")
     if workers is not None and workers < 1:
         raise AttnlabError("--workers must be at least 1")
-    # A one-token source must be allowed one output token: a + b >= 1.
-    if not (0 <= max_len_a < math.inf and 0 <= max_len_b < math.inf and max_len_a + max_len_b >= 1):
-        raise AttnlabError(
-            f"--max-len-a and --max-len-b must be finite, >= 0 and sum to at least 1 "
-            f"(got {max_len_a}, {max_len_b})"
-        )
-    if not -MAX_LENGTH_PENALTY <= length_penalty <= MAX_LENGTH_PENALTY:  # NaN fails too
-        raise AttnlabError(
-            f"--length-penalty must be from {-MAX_LENGTH_PENALTY} to {MAX_LENGTH_PENALTY}, "
-            f"got {length_penalty}"
-        )
+    check_search_options(beam, length_penalty, max_len_a, max_len_b)
     config = model.config
     todo = [i for i, line in enumerate(lines) if line.strip()]
     ids, truncated = [], 0
