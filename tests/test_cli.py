@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from attnlab.cli import main
 from attnlab.config import BertConfig
+from attnlab.errors import AttnlabError
 from attnlab.interop.hf import save_bert
 from attnlab.models.bert import BertForPreTraining, BertModel
 from attnlab.text.tokenizer import SPECIAL_TOKENS, BertTokenizer
@@ -267,6 +268,11 @@ def test_embed_and_fill_mask_from_python_switch_dropout_off(minilm_dir, tiny_mlm
 
     mlm = load_bert(tiny_mlm_dir, heads=True)
     tokenizer = BertTokenizer.from_vocab(tiny_mlm_dir / "vocab.txt")
+    with pytest.raises(AttnlabError, match="needs a model with its masked-LM head, got BertModel"):
+        fill_mask(mlm.bert, tokenizer, "the [MASK].")
+    assert torch.equal(
+        embed(mlm, tokenizer, "the cat.")[0], embed(mlm.bert, tokenizer, "the cat.")[0]
+    )
     expected = fill_mask(mlm.eval(), tokenizer, "the [MASK] sat on the [MASK].")
     mlm.train()
     for _ in range(2):

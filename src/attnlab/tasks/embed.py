@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.errors import AttnlabError
-from attnlab.models.bert import BertModel, cls_only
+from attnlab.models.bert import BertForPreTraining, BertModel, cls_only
 from attnlab.nn.dropout import eval_mode
 from attnlab.nn.packed import packed_linears
 from attnlab.text.tokenizer import BertTokenizer, Encoding
@@ -76,7 +76,7 @@ def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
 
 @torch.inference_mode()
 def embed(
-    model: BertModel,
+    model: BertModel | BertForPreTraining,
     tokenizer: BertTokenizer,
     texts: Sequence[str] | str,
     pooling: str = "mean",
@@ -93,11 +93,13 @@ def embed(
 
     max_length defaults to the model's max_positions; longer texts are truncated (reported
     through on_truncate with the count) or, when truncate=False, an error naming the line.
-    A single string is one text. The model runs in evaluation mode (no dropout) and is left
-    in the mode it came in.
+    A single string is one text; a model with pretraining heads embeds with its encoder. The
+    model runs in evaluation mode (no dropout) and is left in the mode it came in.
     """
     if isinstance(texts, str):
         texts = [texts]
+    if isinstance(model, BertForPreTraining):
+        model = model.bert
     if pooling not in POOLINGS:
         raise AttnlabError(f"unknown pooling {pooling!r} (choose from mean, cls, none)")
     for flag, value in (("--batch-size", max_batch), ("--batch-tokens", max_tokens)):

@@ -607,6 +607,11 @@ def fill_mask(
     tokens); a [MASK] that the cut would drop is an error. The model runs in evaluation mode
     (no dropout) and is left in the mode it came in.
     """
+    if not isinstance(model, BertForPreTraining):
+        raise AttnlabError(
+            f"fill_mask needs a model with its masked-LM head, got {type(model).__name__} "
+            "(load_bert(..., heads=True))"
+        )
     if top_k < 1:
         raise AttnlabError("--top-k must be at least 1")
     limit = model.config.max_positions
