@@ -349,3 +349,34 @@ def test_cli_config_file(teacher_dir, tmp_path, capsys):
     assert main(["distill", "--config", str(config), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown option(s) temprature" in err[0] and not out.exists()
+
+
+def test_grad_accum_of_half_batches_equals_one_full_batch(teacher_dir, cache, tmp_path, capsys):
+    # A dropout-free teacher (so the student has none either): two half batches per step give
+    # the weights of one full batch, as in pretraining (the cosine term, a mean per
+    # micro-batch, is left out); --static-masking is taken too.
+    config = json.loads((teacher_dir / "config.json").read_text())
+    teacher = tmp_path / "teacher"
+    shutil.copytree(teacher_dir, teacher)
+    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (teacher / "config.json").write_text(json.dumps(config))
+    common = ["distill", "--teacher", str(teacher), "--student-layers", "2", "--alpha-cos", "0"]
+    common += [*SMALL, "--steps", "3", "--save-every", "0", "--cache-dir", str(cache)]
+    common += ["--static-masking", "--eval-every", "0"]
+    assert main([*common, "--out", str(tmp_path / "whole")]) == 0
+    assert main([*common, "--out", str(tmp_path / "halves"), "--grad-accum", "2"]) == 0
+    capsys.readouterr()
+    whole = load_file(tmp_path / "whole" / "model.safetensors")
+    halves = load_file(tmp_path / "halves" / "model.safetensors")
+    assert whole.keys() == halves.keys()
+    for name, weight in whole.items():
+        torch.testing.assert_close(halves[name], weight, rtol=1e-4, atol=1e-5, msg=name)
+    # and the option reaches the data and the trainer (ignored, the two runs would agree too)
+    from attnlab.tasks.distill import DistillOptions
+    from attnlab.tasks.pretrain import trainer_config
+
+    opts = DistillOptions(teacher=teacher, out=tmp_path / "x", grad_accum=2, static_masking=True)
+    assert opts.pretraining().grad_accum == 2 and opts.pretraining().static_masking
+    assert trainer_config(opts, warmup_divisor=20).grad_accum == 2
+    name = "bert.embeddings.word_embeddings.weight"  # copied from the teacher, then trained
+    assert not torch.allclose(whole[name], load_file(teacher / "model.safetensors")[name])

@@ -289,6 +289,7 @@ class DistillOptions(RunOptions):
     student_preset: str | None = None
     steps: int = 1000
     batch_size: int = 32
+    grad_accum: int = 1
     seq_len: int = 128
     lr: float = 5e-4  # DistilBERT's
     warmup: int | None = None  # None: 5% of steps (DistilBERT's warmup_prop)
@@ -299,13 +300,14 @@ class DistillOptions(RunOptions):
     compile: bool = False
     cache_dir: Path | None = None
     whole_word_masking: bool = False
+    static_masking: bool = False
 
     def validate(self) -> None:
         """Raise AttnlabError for impossible settings, before anything is read or written."""
         super().validate()
         if (self.student_layers is None) == (self.student_preset is None):
             raise AttnlabError("give exactly one of --student-layers and --student-preset")
-        for name in ("steps", "batch_size", "seq_len"):
+        for name in ("steps", "batch_size", "grad_accum", "seq_len"):
             if getattr(self, name) < 1:
                 raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
         if not 0 < self.temperature < math.inf:
@@ -324,15 +326,17 @@ class DistillOptions(RunOptions):
             raise AttnlabError("--out must differ from --teacher")
 
     def pretraining(self) -> PretrainOptions:
-        """The pretraining settings of the same data: MLM-only examples, dynamic masking."""
+        """The pretraining settings of the same data: MLM-only examples."""
         return PretrainOptions(
             out=self.out,
             corpus=self.corpus,
             objective="mlm",
             steps=self.steps,
             batch_size=self.batch_size,
+            grad_accum=self.grad_accum,
             seq_len=self.seq_len,
             whole_word_masking=self.whole_word_masking,
+            static_masking=self.static_masking,
             resume=self.resume,
             overwrite=self.overwrite,
             seed=self.seed,
