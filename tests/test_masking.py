@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import SHARED_DATA
 
 from attnlab.errors import AttnlabError
 from attnlab.text.masking import IGNORE_INDEX, MaskingCollator, mask_tokens, static_generator
@@ -17,8 +18,8 @@ from attnlab.text.tokenizer import BertTokenizer
 
 torch.set_num_threads(1)
 
-SHAKESPEARE = Path("/work/shared/data/tinyshakespeare/input.txt.gz")
-NEWS = Path("/work/shared/data/zh-corpus/news-headlines.txt.gz")
+SHAKESPEARE = SHARED_DATA / "tinyshakespeare" / "input.txt.gz"
+NEWS = SHARED_DATA / "zh-corpus" / "news-headlines.txt.gz"
 
 # BERT-base-uncased's layout: [PAD]=0, [UNK]=100, [CLS]=101, [SEP]=102, [MASK]=103.
 PAD, UNK, CLS, SEP, MASK = 0, 100, 101, 102, 103

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import SHARED_DATA
 
 from attnlab.errors import AttnlabError
 from attnlab.text import pretraining
@@ -28,7 +29,6 @@ from attnlab.text.tokenizer import SPECIAL_TOKENS, BertTokenizer, train_wordpiec
 
 torch.set_num_threads(1)
 
-SHARED_DATA = Path("/work/shared/data")
 ZH_REVIEWS = SHARED_DATA / "zh-corpus" / "reviews.txt.gz"
 
 

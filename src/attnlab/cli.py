@@ -619,6 +619,7 @@ def add_training_flags(sub: argparse.ArgumentParser, lr_default: str, warmup_def
         "--compile", action="store_true", default=None, help="torch.compile the forward pass"
     )
     sub.add_argument("--cache-dir", help="where tokenized corpora are cached")
+    sub.add_argument("--no-progress", dest="progress", action="store_false", default=None)
 
 
 def _add_data_flags(sub: argparse.ArgumentParser) -> None:
@@ -628,12 +629,26 @@ def _add_data_flags(sub: argparse.ArgumentParser) -> None:
         help="names of a headerless table's columns, comma-separated (a,b,label); a first "
         "row that repeats them is skipped as a header",
     )
-    sub.add_argument("--text-column", help="table column of the text (default 'text')")
+    sub.add_argument(
+        "--text-column",
+        help="table column of the text (default 'text'; evaluate/predict: training's)",
+    )
     sub.add_argument("--text-pair-column", help="table column of the second text of a pair")
-    sub.add_argument("--label-column", help="table column of the label (default 'label')")
+    sub.add_argument(
+        "--label-column",
+        help="table column of the label (default 'label'; evaluate/predict: training's)",
+    )
     sub.add_argument("--tag-column", type=int, help="ner: CoNLL column of the tag (default -1)")
-    sub.add_argument("--max-length", type=int, help="tokens per input (default 128; qa 384)")
-    sub.add_argument("--doc-stride", type=int, help="qa: overlap of passage windows (128)")
+    sub.add_argument(
+        "--max-length",
+        type=int,
+        help="tokens per input (default 128, qa 384; evaluate/predict: training's)",
+    )
+    sub.add_argument(
+        "--doc-stride",
+        type=int,
+        help="qa: overlap of passage windows (128; evaluate/predict: training's)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -662,7 +677,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = command("embed", cmd_embed, "sentence embeddings, one JSON array per input line")
     sub.add_argument("--model", required=True)
     sub.add_argument("--input", help="UTF-8 text file (default: stdin)")
-    sub.add_argument("--pooling", choices=("mean", "cls", "none"), default="mean")
+    sub.add_argument(
+        "--pooling", choices=("mean", "cls", "none"), default="mean", help="(default mean)"
+    )
     sub.add_argument("--normalize", action="store_true", help="L2-normalise each vector")
     sub.add_argument("--batch-size", type=int, default=128, help="most sentences per batch")
     sub.add_argument("--batch-tokens", type=int, default=2048, help="most padded tokens per batch")
@@ -683,7 +700,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--grad-accum", type=int, help="micro-batches per step")
     sub.add_argument("--static-masking", action="store_true", default=None)
     sub.add_argument("--tokenizer", help="use this vocabulary instead of training one")
-    sub.add_argument("--vocab-size", type=int, help="size of the vocabulary trained on --corpus")
+    sub.add_argument(
+        "--vocab-size", type=int, help="size of the vocabulary trained on --corpus (default 8000)"
+    )
     sub.add_argument("--init", help="start from this checkpoint instead of random weights")
     sub.add_argument("--position-encoding")
     sub.add_argument("--embedding-size", type=int, help="ALBERT factorised embedding size")
@@ -699,6 +718,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = command("distill", cmd_distill, "distil a smaller BERT from a teacher (DistilBERT)")
     add_training_flags(sub, lr_default="5e-4", warmup_default="5%%")
     sub.add_argument("--teacher", help="teacher checkpoint directory (HF or attnlab BERT)")
+    sub.add_argument("--grad-accum", type=int, help="micro-batches per step")
+    sub.add_argument("--static-masking", action="store_true", default=None)
     sub.add_argument("--student-layers", type=int, help="student = teacher with N layers")
     sub.add_argument("--student-preset", help="student = a fresh model of this size")
     sub.add_argument("--temperature", type=float, help="softmax temperature T (default 2)")
