@@ -34,9 +34,9 @@ from attnlab.nn.positions import build_position_encoding
 class BertOutput:
     """What BertModel returns; shapes use (batch, seq, d_model)."""
 
-    last_hidden_state: Tensor  # (count, d_model) of the kept positions when keep is given
-    pooler_output: Tensor | None
-    hidden_states: list[Tensor] | None = None  # embeddings output, then each layer's output
+    last_hidden_state: Tensor  # (batch, seq, d_model); (count, d_model) of the kept positions
+    pooler_output: Tensor | None  # (batch, d_model): tanh(W [CLS] + b); None without a pooler
+    hidden_states: list[Tensor] | None = None  # N + 1: the embeddings' output, then each layer's
     attentions: list[Tensor] | None = None  # per layer: (batch, heads, seq, seq)
 
 
@@ -72,7 +72,11 @@ class BertEmbeddings(nn.Module):
     def forward(
         self, input_ids: Tensor, token_type_ids: Tensor, lengths: Tensor | None = None
     ) -> Tensor:
-        """input_ids, token_type_ids (batch, seq) -> (batch, seq, d_model)."""
+        """input_ids, token_type_ids (batch, seq) -> (batch, seq, d_model).
+
+        ``lengths`` (batch,), each sequence's real tokens, is read by the ``normalized``
+        position scheme only.
+        """
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         pos = self.positions.embed(positions, lengths)
@@ -236,7 +240,7 @@ class BertMLMHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def forward(self, hidden: Tensor, weight: Tensor | None = None) -> Tensor:
-        """(..., d_model) -> (..., vocab_size) logits; weight: the word embeddings by another handle."""
+        """(..., d_model) -> (..., vocab_size) logits; weight: the tied table's handle (tied_weight)."""
         h = self.norm(self.act(self.dense(hidden)))
         return linear(h, self.word_embeddings.weight if weight is None else weight, self.bias)
 
@@ -287,8 +291,10 @@ class BertForPreTraining(nn.Module):
                 keep[:, 0] = True
             if not bool(keep.any()):
                 keep = None
-        # Before the encoder, so that the decoder's gradient reaches the weight last.
-        decoder = None if masked is None else tied_weight(self.mlm.word_embeddings.weight)
+        # The tied word embeddings under a handle of their own (nn/linear.py: tied_weight),
+        # taken before the encoder's lookups: the projection's dense gradient then arrives
+        # after the lookups' sparse rows and takes them in place.
+        tied = None if masked is None else tied_weight(self.mlm.word_embeddings.weight)
         out = self.bert(input_ids, attention_mask, token_type_ids, keep=keep)
         hidden = out.last_hidden_state
         result: dict[str, Tensor] = {}
@@ -297,7 +303,7 @@ class BertForPreTraining(nn.Module):
         if masked is None:
             result["mlm_logits"] = self.mlm(hidden)
             return result
-        logits = self.mlm(hidden[masked if keep is None else masked[keep]], decoder)  # (masked, V)
+        logits = self.mlm(hidden[masked if keep is None else masked[keep]], tied)  # (masked, V)
         result["mlm_logits"] = logits
         if mlm_normalizer is not None:
             loss = summed_cross_entropy(logits.float(), mlm_labels[masked]) / mlm_normalizer

@@ -437,6 +437,9 @@ class MultiHeadAttention(nn.Module):
         of the full output at those positions.
         """
         dropout_p = self.dropout if self.training else 0.0
+        # Training with attention dropout on CPU: one autograd function (_DropoutAttention).
+        # It covers what a training step asks for; RoPE, cached keys, returned weights and
+        # causal attention over a subset of queries keep the general path below.
         if (
             has_keep_mask(dropout_p)
             and x.device.type == "cpu"

@@ -47,6 +47,17 @@ class FeedForward(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+def add_and_norm(
+    x: Tensor, h: Tensor, dropout: Dropout, norm: nn.LayerNorm, pre_norm: bool
+) -> Tensor:
+    """The residual connection around a sublayer's output h: x + dropout(h), then LN if post-LN.
+
+    (Pre-LN normalised the sublayer's input instead, so the sum is left as it is.)
+    """
+    x = dropout.residual(x, h)
+    return x if pre_norm else norm(x)
+
+
 @dataclass(frozen=True)
 class KeptRows:
     """The positions whose outputs a caller needs, e.g. BERT's masked tokens and [CLS].
@@ -121,14 +132,9 @@ class EncoderLayer(nn.Module):
         )  # fmt: skip
         if rows is not None:
             x, h = rows.flatten(gather_rows(x, rows.index)), rows.flatten(h)
-        x = self.dropout.residual(x, h)  # x + dropout(h), then LN in the post-LN arrangement
-        if not self.pre_norm:
-            x = self.norm1(x)
+        x = add_and_norm(x, h, self.dropout, self.norm1, self.pre_norm)
         h = self.ffn(self.norm2(x) if self.pre_norm else x)
-        x = self.dropout.residual(x, h)
-        if not self.pre_norm:
-            x = self.norm2(x)
-        return x, weights
+        return add_and_norm(x, h, self.dropout, self.norm2, self.pre_norm), weights
 
 
 class DecoderLayer(nn.Module):
@@ -155,10 +161,6 @@ class DecoderLayer(nn.Module):
         self.norm3 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.dropout = Dropout(dropout)
 
-    def _residual(self, x: Tensor, h: Tensor, norm: nn.LayerNorm) -> Tensor:
-        x = self.dropout.residual(x, h)  # x + dropout(h), then LN in the post-LN arrangement
-        return x if self.pre_norm else norm(x)
-
     def forward(
         self,
         x: Tensor,
@@ -179,7 +181,7 @@ class DecoderLayer(nn.Module):
         h, self_w, _ = self.self_attn(
             h, bias=self_bias, causal=True, rope=rope, past=past, need_weights=need_weights
         )
-        x = self._residual(x, h, self.norm1)
+        x = add_and_norm(x, h, self.dropout, self.norm1, self.pre_norm)
 
         past = cache.cross_kv[index] if cache is not None else None
         h = self.norm2(x) if self.pre_norm else x
@@ -191,10 +193,10 @@ class DecoderLayer(nn.Module):
             # later step's matmul then reads in place instead of copying (kv_proj's output
             # interleaves heads).
             cache.cross_kv[index] = (kv[0].contiguous(), kv[1].contiguous())
-        x = self._residual(x, h, self.norm2)
+        x = add_and_norm(x, h, self.dropout, self.norm2, self.pre_norm)
 
         h = self.ffn(self.norm3(x) if self.pre_norm else x)
-        return self._residual(x, h, self.norm3), self_w, cross_w
+        return add_and_norm(x, h, self.dropout, self.norm3, self.pre_norm), self_w, cross_w
 
 
 class Encoder(nn.Module):
