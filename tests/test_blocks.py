@@ -77,6 +77,31 @@ def test_post_ln_output_is_normalized_and_pre_ln_is_not() -> None:
 
 
 @pytest.mark.parametrize("norm_position", NORMS)
+def test_layers_follow_the_residual_and_layernorm_formulas(norm_position: str) -> None:
+    # post-LN (the paper, 3.1): y = LN(x + Sublayer(x)); pre-LN (Xiong et al. 2020):
+    # y = x + Sublayer(LN(x)); composed here from the layers' own sublayers, in eval mode.
+    torch.manual_seed(1)
+    x = torch.randn(2, 5, D_MODEL)
+    memory = torch.randn(2, 3, D_MODEL)
+    enc = EncoderLayer(**LAYER, norm_position=norm_position).eval()
+    dec = DecoderLayer(**LAYER, norm_position=norm_position).eval()
+    for layer in (enc, dec):  # LayerNorms that are not the identity
+        for norm in (m for m in layer.modules() if isinstance(m, nn.LayerNorm)):
+            nn.init.normal_(norm.weight, 1.0, 0.2)
+            nn.init.normal_(norm.bias, 0.0, 0.2)
+
+    def block(h: Tensor, sublayer, norm: nn.LayerNorm) -> Tensor:
+        return norm(h + sublayer(h)) if norm_position == "post" else h + sublayer(norm(h))
+
+    with torch.no_grad():
+        h = block(x, lambda t: enc.self_attn(t)[0], enc.norm1)
+        torch.testing.assert_close(enc(x)[0], block(h, enc.ffn, enc.norm2))
+        h = block(x, lambda t: dec.self_attn(t, causal=True)[0], dec.norm1)
+        h = block(h, lambda t: dec.cross_attn(t, memory)[0], dec.norm2)
+        torch.testing.assert_close(dec(x, memory)[0], block(h, dec.ffn, dec.norm3))
+
+
+@pytest.mark.parametrize("norm_position", NORMS)
 def test_pre_ln_stacks_end_with_final_norm_and_post_ln_do_not(norm_position: str) -> None:
     enc = Encoder(2, norm_position, **LAYER)
     dec = Decoder(2, norm_position, **LAYER)

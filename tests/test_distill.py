@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import assert_same_run
 from safetensors.torch import load_file
 
@@ -174,6 +175,41 @@ def test_identical_student_has_only_the_mlm_term():
     assert float(out["cosine_loss"]) == pytest.approx(0.0, abs=1e-5)
     assert float(out["loss"]) == pytest.approx(2.0 * float(out["mlm_loss"]), rel=1e-5)
     assert out["mlm_logits"].shape == (9, teacher.config.vocab_size)
+
+
+def test_loss_is_distilberts_weighted_sum_at_temperature_two():
+    # L = 5 T^2 KL(teacher || student at T) + 2 L_mlm + 1 (1 - cos), T = 2: DistilBERT's weights,
+    # the defaults of the model and of the CLI; each term checked against its own formula.
+    from attnlab.tasks.distill import DistillOptions
+
+    opts = DistillOptions(teacher=Path("t"), out=Path("o"))
+    assert (opts.temperature, opts.alpha_ce, opts.alpha_mlm, opts.alpha_cos) == (
+        2.0,
+        5.0,
+        2.0,
+        None,
+    )
+    teacher = _teacher(init=0.3)  # peaked distributions (teacher_dir's docstring)
+    model = DistillationModel(teacher, student_from_teacher(teacher, n_layers=2)).eval()
+    batch = _batch(teacher.config.vocab_size)
+    with torch.no_grad():
+        out = model(**batch)
+        student_hidden = model.student.bert(batch["input_ids"], batch["attention_mask"])
+        teacher_hidden = teacher.bert(batch["input_ids"], batch["attention_mask"])
+    p = torch.softmax(out["teacher_mlm_logits"] / 2, -1)
+    q = torch.softmax(out["mlm_logits"] / 2, -1)
+    kl = 4 * (p * (p.log() - q.log())).sum(-1).mean()
+    masked = batch["mlm_labels"] != -100
+    mlm = F.cross_entropy(out["mlm_logits"], batch["mlm_labels"][masked])
+    real = batch["attention_mask"].bool()
+    cos = 1 - F.cosine_similarity(
+        student_hidden.last_hidden_state[real], teacher_hidden.last_hidden_state[real], dim=-1
+    )
+    terms = {"distill_loss": kl, "mlm_loss": mlm, "cosine_loss": cos.mean()}
+    for name, expected in terms.items():
+        assert float(expected) > 1e-3, name  # every term is in play
+        assert float(out[name]) == pytest.approx(float(expected), rel=1e-4), name
+    assert float(out["loss"]) == pytest.approx(float(5 * kl + 2 * mlm + cos.mean()), rel=1e-4)
 
 
 def test_only_the_student_is_trained():

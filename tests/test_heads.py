@@ -165,15 +165,17 @@ def test_export_loads_in_hf(task, minilm_dir, batch, tmp_path, hf_tokenizer):
             assert_close(a, b)
 
 
-def test_gradients_match_hf(minilm_dir, batch):
+@pytest.mark.parametrize("task", list(HF_HEADS))
+def test_gradients_match_hf(task, minilm_dir, batch):
     """One backward pass: the same gradient on the head and deep in the encoder."""
-    reference = hf_model(minilm_dir, "classify")
-    ours, _ = load_task_model(minilm_dir, "classify", num_labels=3)
-    ours.classifier.load_state_dict(reference.classifier.state_dict())
-    labels = labels_for("classify", batch)
+    reference = hf_model(minilm_dir, task)
+    head = HF_HEADS[task][2]
+    ours, _ = load_task_model(minilm_dir, task, num_labels=HF_HEADS[task][1].get("num_labels"))
+    getattr(ours, head).load_state_dict(getattr(reference, head).state_dict())
+    labels = labels_for(task, batch)
     ours(**batch, **labels)["loss"].backward()
     reference(**batch, **labels).loss.backward()
-    assert_close(ours.classifier.weight.grad, reference.classifier.weight.grad)
+    assert_close(getattr(ours, head).weight.grad, getattr(reference, head).weight.grad)
     mine = ours.bert.embeddings.word_embeddings.weight.grad
     theirs = reference.bert.embeddings.word_embeddings.weight.grad
     assert (mine - theirs).abs().max().item() < 1e-4

@@ -191,3 +191,36 @@ def test_squad_metrics_errors():
         squad_metrics({}, [_question("1", "x")], language="fr")
     with pytest.raises(AttnlabError, match="no gold answer"):
         squad_metrics({}, [QAExample("1", "t", "q", "c", [])])
+
+
+def test_corpus_bleu_is_papinenis_formula():
+    # BLEU = BP * exp(mean over n = 1..4 of log p_n), p_n the clipped n-gram precisions summed
+    # over the corpus, BP = exp(1 - r / c) when the output is shorter (Papineni et al. 2002).
+    # Plain lowercase words, so sacreBLEU's 13a tokenizer splits on spaces alone.
+    from collections import Counter
+
+    from attnlab.metrics import corpus_bleu
+
+    hyps = ["the cat sat on the mat today", "a dog ran in the big park", "it is a small house"]
+    refs = [
+        "the cat sat on the mat",
+        "the dog ran in the big green park",
+        "it is a very small house",
+    ]
+
+    def grams(words: list[str], n: int) -> Counter:
+        return Counter(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
+
+    log_p = 0.0
+    for n in range(1, 5):
+        matched = total = 0
+        for hyp, ref in zip(hyps, refs, strict=True):
+            h, r = grams(hyp.split(), n), grams(ref.split(), n)
+            matched += sum(min(count, r[g]) for g, count in h.items())
+            total += sum(h.values())
+        log_p += math.log(matched / total) / 4
+    c, r = sum(len(h.split()) for h in hyps), sum(len(x.split()) for x in refs)
+    brevity = 1.0 if c > r else math.exp(1 - r / c)
+    assert corpus_bleu(hyps, refs)["bleu"] == pytest.approx(
+        100 * brevity * math.exp(log_p), rel=1e-9
+    )

@@ -262,3 +262,20 @@ def test_negative_norm_and_position_settings_are_refused(setting, message) -> No
     # A translation model's config.json with these loaded (NaN outputs) or crashed at build.
     with pytest.raises(AttnlabError, match=message):
         TransformerConfig.preset("transformer-small", **setting)
+
+
+def test_embeddings_are_scaled_by_sqrt_d_model_before_the_positions() -> None:
+    # Section 3.4: "we multiply those weights by sqrt(d_model)"; then the sinusoidal codes are
+    # added (3.5). The encoder stack's input is checked against the formula.
+    from attnlab.nn.positions import sinusoidal_table
+
+    model = tiny(position_encoding="sinusoidal")  # eval mode: no dropout
+    src, mask = source_batch()
+    seen = []
+    model.encoder.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(args[0]), with_kwargs=True
+    )
+    with torch.no_grad():
+        model.encode(src, mask)
+    expected = model.src_embed.weight[src] * 32**0.5 + sinusoidal_table(7, 32)
+    torch.testing.assert_close(seen[0], expected)
