@@ -265,6 +265,9 @@ def test_embed_and_fill_mask_from_python_switch_dropout_off(minilm_dir, tiny_mlm
     assert max_diff([v.tolist() for v in vectors], hf_mean(*hf_reference)) <= 1e-5
     (one,) = embed(model, tokenizer, VARIED_SENTENCES[0])
     torch.testing.assert_close(one, vectors[0], rtol=1e-5, atol=1e-6)
+    for bad in (0, 1):  # 0 meant "the default" in silence
+        with pytest.raises(AttnlabError, match="--max-length must be at least 2"):
+            embed(model, tokenizer, "hello", max_length=bad)
 
     mlm = load_bert(tiny_mlm_dir, heads=True)
     tokenizer = BertTokenizer.from_vocab(tiny_mlm_dir / "vocab.txt")

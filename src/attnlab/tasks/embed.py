@@ -106,7 +106,10 @@ def embed(
         if value < 1:
             raise AttnlabError(f"{flag} must be at least 1, got {value}")
     limit = model.config.max_positions
-    max_length = max_length or min(limit, tokenizer.max_length or limit)
+    if max_length is None:
+        max_length = min(limit, tokenizer.max_length or limit)
+    if max_length < 2:
+        raise AttnlabError(f"--max-length must be at least 2 ([CLS] and [SEP]), got {max_length}")
     if max_length > limit:
         raise AttnlabError(f"--max-length {max_length} is above the model's maximum ({limit})")
     encodings = tokenizer.encode_batch(list(texts), max_length=max_length)
