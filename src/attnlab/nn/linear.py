@@ -33,7 +33,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
+from torch.autograd.function import FunctionCtx, once_differentiable
 
 from attnlab.cpu import cpu_vendor, has_bf16_matmul
 from attnlab.nn.packed import can_pack
@@ -64,14 +64,14 @@ class _TrainingLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def forward(ctx: FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """x (..., in) -> (..., out)."""
         ctx.save_for_backward(x, weight)
         return _product(x, weight, bias)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
         """Gradients of x, weight and bias from the output's gradient."""
         x, weight = ctx.saved_tensors
         return _linear_grads(grad, x, weight, ctx.needs_input_grad)
@@ -124,7 +124,7 @@ class _Bf16Linear(torch.autograd.Function):
     """F.linear under bf16 autocast, computed by the fp32 kernel (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def forward(ctx: FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """x (..., in) -> (..., out) in bf16."""
         with torch.autocast("cpu", enabled=False):
             xb, wb = x.to(BF16), weight.to(BF16)
@@ -134,7 +134,7 @@ class _Bf16Linear(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
         """Gradients of x, weight and bias, each the bf16 product's, in its input's dtype."""
         xb, wb = ctx.saved_tensors
         needs = ctx.needs_input_grad
@@ -152,7 +152,7 @@ class _Bf16MatMul(torch.autograd.Function):
     """a @ b under bf16 autocast (same batch dimensions), computed by the fp32 kernel."""
 
     @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
+    def forward(ctx: FunctionCtx, a: Tensor, b: Tensor) -> Tensor:
         """(..., m, k) @ (..., k, n) -> (..., m, n) in bf16."""
         with torch.autocast("cpu", enabled=False):
             ab, bb = a.to(BF16), b.to(BF16)
@@ -162,7 +162,7 @@ class _Bf16MatMul(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """Gradients of a and b, each the bf16 product's, in its input's dtype."""
         ab, bb = ctx.saved_tensors
         with torch.autocast("cpu", enabled=False):
@@ -214,12 +214,12 @@ class _TiedWeight(torch.autograd.Function):
     """An embedding table, unchanged, as a tied output projection's weight (see tied_weight)."""
 
     @staticmethod
-    def forward(ctx, weight: Tensor) -> Tensor:
+    def forward(ctx: FunctionCtx, weight: Tensor) -> Tensor:
         """The weight itself (a view)."""
         return weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
+    def backward(ctx: FunctionCtx, grad: Tensor) -> Tensor:
         """The gradient as it is (the tensor itself, so it can be added into)."""
         return grad
 
