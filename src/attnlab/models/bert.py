@@ -118,10 +118,10 @@ class BertModel(nn.Module):
             layer_norm_eps=config.layer_norm_eps,
         )
         self.pooler = BertPooler(config) if add_pooler else None
-        self.apply(self._init_weights)
+        self.apply(self.init_weights)
 
-    def _init_weights(self, module: nn.Module) -> None:
-        # BERT's initialiser: N(0, 0.02) weights, zero biases, identity LayerNorm.
+    def init_weights(self, module: nn.Module) -> None:
+        """BERT's initialisation of a module: N(0, initializer_range) weights, zero biases, identity LN."""
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=std)
@@ -258,9 +258,9 @@ class BertForPreTraining(nn.Module):
         self.bert = BertModel(config, add_pooler=sentence_head)
         self.mlm = BertMLMHead(config, self.bert.embeddings.word_embeddings)
         self.nsp = Linear(config.d_model, 2) if sentence_head else None  # IsNext / NotNext
-        for module in (self.mlm.dense, self.mlm.norm, self.nsp):
+        for module in (self.mlm.dense, self.mlm.norm, self.nsp):  # outside self.bert's apply()
             if module is not None:
-                self.bert._init_weights(module)
+                self.bert.init_weights(module)
 
     def forward(
         self,

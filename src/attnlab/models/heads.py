@@ -36,7 +36,7 @@ def _dropout(config: BertConfig, classifier_dropout: float | None) -> float:
 
 def _init_head(model: nn.Module, head: nn.Linear) -> None:
     # The head starts as BERT's other linear layers do: N(0, initializer_range), zero bias.
-    model.bert._init_weights(head)
+    model.bert.init_weights(head)
 
 
 class BertForSequenceClassification(nn.Module):
