@@ -121,7 +121,10 @@ class BertModel(nn.Module):
         self.apply(self.init_weights)
 
     def init_weights(self, module: nn.Module) -> None:
-        """BERT's initialisation of a module: N(0, initializer_range) weights, zero biases, identity LN."""
+        """BERT's initialisation of one module: N(0, initializer_range) weights, zero biases.
+
+        LayerNorm starts as the identity (weight 1, bias 0).
+        """
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=std)
