@@ -288,18 +288,29 @@ def test_empty_corpus_is_an_error(tmp_path: Path, minilm_tokenizer: BertTokenize
         TokenizedCorpus.build([tmp_path / "absent.txt"], minilm_tokenizer, tmp_path / "cache")
 
 
-def test_split_holds_out_the_last_documents(
-    tmp_path: Path, minilm_tokenizer: BertTokenizer
+def test_split_holds_out_documents_drawn_from_the_whole_corpus(
+    tmp_path: Path, minilm_tokenizer: BertTokenizer, tagged: tuple
 ) -> None:
     path = _write_blank_separated(tmp_path / "corpus.txt", ENGLISH_DOCS)
     corpus = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
     train, held_out = corpus.split(1)
     assert train.n_documents == 2 and held_out.n_documents == 1
-    assert [a.tolist() for a in held_out.document(0)] == [a.tolist() for a in corpus.document(2)]
+    (index,) = held_out.documents.tolist()
+    assert [a.tolist() for a in held_out.document(0)] == [
+        a.tolist() for a in corpus.document(index)
+    ]
     assert train.n_sentences + held_out.n_sentences == corpus.n_sentences
     assert train.n_tokens + held_out.n_tokens == corpus.n_tokens
     with pytest.raises(AttnlabError, match="hold out"):
         corpus.split(3)
+    # Across the corpus (not the last file's documents alone), disjoint, and the same draw
+    # every time: it depends on no run setting.
+    many = tagged[0]
+    train, held_out = many.split(10)
+    assert held_out.documents.tolist() == many.split(10)[1].documents.tolist()
+    assert set(held_out.documents.tolist()).isdisjoint(train.documents.tolist())
+    assert len(set(held_out.documents.tolist()) | set(train.documents.tolist())) == N_DOCS
+    assert min(held_out.documents) < N_DOCS // 2 <= max(held_out.documents)
 
 
 # ---- ExampleBuilder on a corpus whose every token names its sentence -------------------------
@@ -400,21 +411,67 @@ def test_sop_examples_come_from_one_document(tagged: tuple) -> None:
             assert a_sentences[0] >= b_sentences[-1]
 
 
-def test_mlm_examples_pack_whole_sentences_of_one_document(tagged: tuple) -> None:
+def test_mlm_examples_pack_whole_sentences_across_documents(tagged: tuple) -> None:
+    # RoBERTa's FULL-SENTENCES: whole sentences packed up to the length, a document's end
+    # marked by an extra [SEP] and followed by the next document's sentences.
     corpus, _, where = tagged
     builder = ExampleBuilder(corpus, CLS, SEP, max_seq_len=48, objective="mlm")
     examples = list(builder.epoch(0))
     seen = Counter()
+    crossing = 0
     for example in examples:
-        assert example.label == -1 and len(example.input_ids) <= 48
-        a, b = _segments(example)
-        assert b is None and (example.token_type_ids == 0).all()
-        docs, sentences = _sentences(a, where)
-        assert len(docs) == 1
-        seen.update((next(iter(docs)), s) for s in set(sentences))
-    # Every sentence appears exactly once per epoch (no sentence is longer than 46 tokens).
+        ids = example.input_ids
+        assert example.label == -1 and len(ids) <= 48 and (example.token_type_ids == 0).all()
+        assert ids[0] == CLS and ids[-1] == SEP and ids[1] != SEP and ids[-2] != SEP
+        assert example.word_starts[ids == SEP].all()
+        parts = np.split(ids[1:-1], np.flatnonzero(ids[1:-1] == SEP))
+        parts = [p[1:] if i else p for i, p in enumerate(parts)]  # drop each part's [SEP]
+        crossing += len(parts) > 1
+        docs_seen = []
+        for part in parts:
+            docs, sentences = _sentences(part, where)
+            assert len(docs) == 1  # a part is one document's text
+            docs_seen.append(next(iter(docs)))
+            # whole sentences, in order: every sentence a part touches is in it whole
+            assert sentences == sorted(sentences)
+            seen.update((docs_seen[-1], s) for s in set(sentences))
+        assert len(set(docs_seen)) == len(docs_seen)  # a separator moves to another document
+    # most document ends fall inside an example (not only where one was full anyway)
+    assert crossing >= (corpus.n_documents - 1) // 2, (crossing, corpus.n_documents)
+    # Every sentence appears exactly once per epoch (no sentence is longer than 46 tokens),
+    # and the examples hold the corpus's tokens plus one [SEP] per document boundary.
     assert set(seen.values()) == {1} and len(seen) == corpus.n_sentences
-    assert sum(len(e.input_ids) - 2 for e in examples) == corpus.n_tokens
+    separators = sum(int((e.input_ids[1:-1] == SEP).sum()) for e in examples)
+    assert sum(len(e.input_ids) - 2 for e in examples) == corpus.n_tokens + separators
+    # Fuller examples: 91% of the length here, where packing that stopped at each document's
+    # end filled 84% (this corpus's documents are long; short ones lose more).
+    assert np.mean([len(e.input_ids) for e in examples]) > 0.88 * 48
+
+
+def test_epochs_mix_examples_across_documents(tagged: tuple) -> None:
+    # google shuffles all of a run's instances: consecutive examples (a batch) come from
+    # many documents, not one long document's run of examples.
+    corpus, _, where = tagged
+    builder = ExampleBuilder(corpus, CLS, SEP, max_seq_len=64, objective="mlm+nsp", seed=3)
+    examples = list(builder.epoch(0))
+    first_docs = [min(_sentences(_segments(e)[0], where)[0]) for e in examples]
+    runs = sum(a == b for a, b in itertools.pairwise(first_docs))
+    assert runs < 0.1 * len(examples), runs  # in document order most neighbours share one
+    assert sorted(map(_key, examples)) == sorted(map(_key, _unshuffled(builder, 0)))
+
+
+def _key(example: Example) -> tuple:
+    return (tuple(example.input_ids.tolist()), example.label)
+
+
+def _unshuffled(builder: ExampleBuilder, epoch: int) -> list[Example]:
+    """The epoch's examples before mixing (the shuffle buffer made a no-op)."""
+    original = pretraining._shuffled
+    try:
+        pretraining._shuffled = lambda items, size, rng: items
+        return list(builder.epoch(epoch))
+    finally:
+        pretraining._shuffled = original
 
 
 def test_examples_are_deterministic_per_seed_and_epoch(tagged: tuple) -> None:
@@ -444,7 +501,12 @@ def test_sentences_longer_than_the_target_are_cut(tmp_path: Path) -> None:
         for epoch in range(5):
             for example in builder.epoch(epoch):
                 assert 3 <= len(example.input_ids) <= 16
-                a, b = _segments(example)
+                if objective == "mlm":  # one segment, with a [SEP] where a document ends
+                    ids = example.input_ids
+                    a, b = ids[1:-1], None
+                    assert ids[0] == CLS and ids[-1] == SEP and ids[1] != SEP
+                else:
+                    a, b = _segments(example)
                 assert len(a) >= 1 and (b is None or len(b) >= 1)
                 # A segment cut inside a word still begins a word.
                 assert example.word_starts[1]
@@ -486,8 +548,8 @@ def test_single_document_corpus(tmp_path: Path, minilm_tokenizer: BertTokenizer)
 def test_views_keep_examples_inside_their_documents(tagged: tuple) -> None:
     corpus, _, where = tagged
     train, held_out = corpus.split(5)
-    held_docs = set(range(N_DOCS - 5, N_DOCS))
-    for view, allowed in ((train, set(range(N_DOCS - 5))), (held_out, held_docs)):
+    held_docs = set(held_out.documents.tolist())
+    for view, allowed in ((train, set(range(N_DOCS)) - held_docs), (held_out, held_docs)):
         builder = ExampleBuilder(view, CLS, SEP, max_seq_len=64)
         for example in builder.epoch(0):
             a, b = _segments(example)

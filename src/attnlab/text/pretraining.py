@@ -7,8 +7,10 @@ corpus larger than RAM trains), and `ExampleBuilder` turns each document into
 gathered into a chunk until a target length, A is a random prefix of the chunk, and B is
 the rest (IsNext) or, half the time, text from another document (NotNext). Two variants
 the notes name are built from the same corpus: RoBERTa's full sentences without NSP
-(Liu et al. 2019, §4.2 "DOC-SENTENCES") and ALBERT's sentence-order prediction (Lan et al.
-2020, §3.1). Masking happens later, per batch, in `attnlab.text.masking`.
+(Liu et al. 2019, §4.2 "FULL-SENTENCES": packed across document ends) and ALBERT's
+sentence-order prediction (Lan et al. 2020, §3.1). As google shuffles its instances, an
+epoch's examples are mixed across documents (a shuffle buffer, so memory stays bounded).
+Masking happens later, per batch, in `attnlab.text.masking`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ NO_LABEL = -1  # the label of an 'mlm' example, which has no sentence-level task
 # Bumped whenever the cache layout or the tokenization rules change, so old caches miss.
 _CACHE_FORMAT = 1
 _CHUNK_SENTENCES = 10_000
+# Examples an epoch mixes at a time: a long document's examples spread over this many
+# (google shuffles all instances of a run in memory; 10,000 of 128 tokens take ~8 MB).
+_SHUFFLE_BUFFER = 10_000
+_HELD_OUT_SEED = 20190524  # fixed: the held-out documents never depend on a run's --seed
 _VERIFY_CHUNK = 1 << 24  # array elements read at a time when a reused cache is checked
 
 # ---- sentences and documents -------------------------------------------------------------
@@ -317,19 +323,21 @@ class TokenizedCorpus:
         return [self.sentence(s) for s in self.sentence_ids(i)]
 
     def split(self, eval_documents: int) -> tuple[CorpusView, CorpusView]:
-        """Hold out the last `eval_documents` documents: (train view, eval view).
+        """Hold out `eval_documents` documents drawn at random: (train view, eval view).
 
-        The last documents rather than a random draw: the held-out set then needs no seed
-        and stays the same whatever the training run's settings.
+        Drawn from the whole corpus, so that with several files (say reviews, then headlines)
+        the held-out set is not the last file's alone; by a fixed seed, so that it stays the
+        same whatever the training run's seed and settings.
         """
         if not 0 <= eval_documents < self.n_documents:
             raise AttnlabError(
                 f"cannot hold out {eval_documents} of {self.n_documents} documents: "
                 "keep at least one for training"
             )
-        boundary = self.n_documents - eval_documents
-        everything = np.arange(self.n_documents, dtype=np.int64)
-        return CorpusView(self, everything[:boundary]), CorpusView(self, everything[boundary:])
+        order = np.random.Generator(np.random.PCG64(_HELD_OUT_SEED)).permutation(self.n_documents)
+        held_out = np.sort(order[:eval_documents]).astype(np.int64)
+        train = np.sort(order[eval_documents:]).astype(np.int64)
+        return CorpusView(self, train), CorpusView(self, held_out)
 
     def __getstate__(self) -> dict:
         # Pickled for DataLoader workers: ship the directory, not the mapped arrays (which
@@ -629,11 +637,15 @@ class ExampleBuilder:
         # A generator per (seed, epoch) rather than one carried across epochs: resuming at
         # epoch k needs no replay of epochs 0..k-1.
         rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
-        for document in rng.permutation(self.corpus.n_documents):
-            if self.objective == "mlm":
-                yield from self._packed_examples(int(document))
-            else:
-                yield from self._pair_examples(int(document), rng)
+        documents = (int(d) for d in rng.permutation(self.corpus.n_documents))
+        if self.objective == "mlm":
+            examples = self._full_sentences(documents)
+        else:
+            examples = (e for d in documents for e in self._pair_examples(d, rng))
+        # Without mixing, a document's examples would follow one another, and a long one
+        # would fill whole batches with one topic.
+        shuffle = np.random.Generator(np.random.PCG64([self.seed, epoch, 1]))
+        yield from _shuffled(examples, _SHUFFLE_BUFFER, shuffle)
 
     def count_epoch(self, epoch: int) -> int:
         """Number of examples `epoch(epoch)` yields (a full pass over the corpus)."""
@@ -641,30 +653,44 @@ class ExampleBuilder:
 
     # ---- RoBERTa: full sentences, no sentence-level task -------------------------------------
 
-    def _packed_examples(self, document: int) -> Iterator[Example]:
-        """Pack whole sentences of one document into [CLS] text [SEP] up to max_seq_len."""
-        # RoBERTa's DOC-SENTENCES: packing stops at the document's end; a sentence longer
-        # than the budget is cut into budget-sized pieces that pack like sentences.
+    def _full_sentences(self, documents: Iterator[int]) -> Iterator[Example]:
+        """Pack whole sentences into [CLS] text [SEP] up to max_seq_len, across documents.
+
+        RoBERTa's FULL-SENTENCES: at a document's end packing goes on with the next one,
+        after an extra [SEP]; so every example but the epoch's last is nearly full, where
+        stopping at each document's end (DOC-SENTENCES) left short documents' examples
+        mostly padding. A sentence longer than the budget is cut into budget-sized pieces
+        that pack like sentences.
+        """
         budget = self.max_seq_len - 2
-        pieces: list[tuple[int, int]] = []
-        for sentence in self.corpus.sentence_ids(document):
-            start, end = self._span(sentence)
-            pieces.extend((s, min(s + budget, end)) for s in range(start, end, budget))
-        current: list[tuple[int, int]] = []
+        current: list[tuple[int, int] | None] = []  # token spans; None: a document separator
         length = 0
-        for start, end in pieces:
-            if current and length + (end - start) > budget:
-                yield self._example(self._concat(current), None, NO_LABEL)
-                current, length = [], 0
-            current.append((start, end))
-            length += end - start
+        for document in documents:
+            if current and length < budget:
+                current.append(None)
+                length += 1
+            for sentence in self.corpus.sentence_ids(document):
+                start, end = self._span(sentence)
+                for piece in range(start, end, budget):
+                    size = min(piece + budget, end) - piece
+                    if current and length + size > budget:
+                        yield self._packed(current)
+                        current, length = [], 0
+                    current.append((piece, piece + size))
+                    length += size
         if current:
-            yield self._example(self._concat(current), None, NO_LABEL)
+            yield self._packed(current)
+
+    def _packed(self, spans: list[tuple[int, int] | None]) -> Example:
+        """[CLS] text [SEP] of token spans, None giving a [SEP] between documents."""
+        while spans and spans[-1] is None:  # a separator with nothing after it
+            spans = spans[:-1]
+        return self._example(self._concat(spans), None, NO_LABEL)
 
     # ---- BERT (NSP) and ALBERT (SOP): segment pairs ------------------------------------------
 
     def _pair_examples(self, document: int, rng: np.random.Generator) -> Iterator[Example]:
-        """google-research/bert's create_instances_from_document, with SOP as ALBERT has it."""
+        """google-research/bert's create_instances_from_document (SOP: see _sop_pair)."""
         sentences = [self._span(s) for s in self.corpus.sentence_ids(document)]
         max_tokens = self.max_seq_len - 3  # room for [CLS], [SEP], [SEP]
         # Mostly full-length sequences; sometimes shorter ones, so that pretraining also
@@ -725,7 +751,12 @@ class ExampleBuilder:
     def _sop_pair(
         self, chunk: list[tuple[int, int]], a_end: int, rng: np.random.Generator
     ) -> tuple[_Segment, _Segment, int] | None:
-        """Two consecutive segments of one document, swapped half the time (label 1)."""
+        """Two consecutive segments of one document, swapped half the time (label 1).
+
+        A deliberate departure from ALBERT's code, which pairs a one-sentence chunk with
+        another document's text (labelled swapped): here the sentence is cut at a random
+        token instead, so every pair is in-document, as the paper's SOP is defined.
+        """
         if len(chunk) > 1:
             a, b = self._concat(chunk[:a_end]), self._concat(chunk[a_end:])
         else:
@@ -747,12 +778,13 @@ class ExampleBuilder:
         offsets = self._base.sentence_offsets
         return int(offsets[sentence]), int(offsets[sentence + 1])
 
-    def _concat(self, spans: list[tuple[int, int]]) -> _Segment:
-        """Token ids and word starts of consecutive spans, joined."""
+    def _concat(self, spans: list[tuple[int, int] | None]) -> _Segment:
+        """Token ids and word starts of spans, joined; None stands for a [SEP] (a word start)."""
         tokens, starts = self._base.tokens, self._base.word_starts
-        ids = np.concatenate([tokens[s:e] for s, e in spans])
-        flags = np.concatenate([starts[s:e] for s, e in spans]).astype(bool)
-        return ids, flags
+        sep, true = np.array([self.sep_id], dtype=tokens.dtype), np.ones(1, dtype=bool)
+        ids = np.concatenate([sep if span is None else tokens[span[0] : span[1]] for span in spans])
+        flags = [true if span is None else starts[span[0] : span[1]] for span in spans]
+        return ids, np.concatenate(flags).astype(bool)
 
     def _example(self, a: _Segment, b: _Segment | None, label: int) -> Example:
         """[CLS] A [SEP] (B [SEP]) with segment ids and word starts."""
@@ -777,6 +809,20 @@ class ExampleBuilder:
             word_starts=np.concatenate(starts),
             label=label,
         )
+
+
+def _shuffled(items: Iterator[Example], size: int, rng: np.random.Generator) -> Iterator[Example]:
+    """items in a random order drawn from a buffer of `size` (a full shuffle if they fit)."""
+    buffer: list[Example] = []
+    for item in items:
+        if len(buffer) < size:
+            buffer.append(item)
+            continue
+        slot = int(rng.integers(size))
+        yield buffer[slot]
+        buffer[slot] = item
+    for slot in rng.permutation(len(buffer)):
+        yield buffer[int(slot)]
 
 
 def _truncate_pair(
