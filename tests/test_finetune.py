@@ -9,6 +9,7 @@ Every bad input must give exit 2, one `attnlab: error:` line, no traceback, noth
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from attnlab.cli import main
 from attnlab.config import BertConfig
+from attnlab.errors import AttnlabError
 from attnlab.interop.hf import save_bert
 from attnlab.models.bert import BertModel
 from attnlab.tasks.finetune import (
@@ -766,3 +768,27 @@ def test_the_task_may_come_from_the_config_file(tiny_dir, tmp_path, capsys):
     code, _, err = run(capsys, *args)
     assert code == 0, err
     assert_one_error(run(capsys, *args[:-2], "--out", tmp_path / "o2"), "needs --task")
+
+
+def test_python_api_checks_options_and_leaves_them_as_given(tiny_dir, tmp_path, capsys):
+    # From Python (no CLI to type the options): a string for a number is a clear error, the
+    # options object comes back unchanged (it once came back with max_length filled in), and
+    # overrides name data settings only, typed (the task stays the model's).
+    from attnlab.tasks.finetune import FinetuneOptions, evaluate_file, finetune
+
+    common = dict(task="classify", model=tiny_dir, train=DATA / "sentiment.tsv", steps=1)
+    common.update(batch_size=2, text_column="sentence", progress=False)
+    with pytest.raises(AttnlabError, match="FinetuneOptions: epochs must be an integer, got '3'"):
+        finetune(FinetuneOptions(**common, out=tmp_path / "x", epochs="3"))
+    opts = FinetuneOptions(**common, out=str(tmp_path / "clf"), save_every=0, eval_every=0)
+    given = dataclasses.replace(opts)
+    finetune(opts)
+    capsys.readouterr()
+    assert opts == given and opts.max_length is None and isinstance(opts.out, str)
+    data = DATA / "sentiment_dev.tsv"
+    for overrides, fragment in (({"task": "regress"}, "no data setting task"),
+                                ({"text_colum": "x"}, "no data setting text_colum"),
+                                ({"max_length": "64"}, "max_length must be an integer")):  # fmt: skip
+        with pytest.raises(AttnlabError, match=fragment):
+            evaluate_file(tmp_path / "clf", data, overrides=overrides)
+    assert "accuracy" in evaluate_file(tmp_path / "clf", data, overrides={"max_length": 64})

@@ -224,3 +224,16 @@ def test_corpus_bleu_is_papinenis_formula():
     assert corpus_bleu(hyps, refs)["bleu"] == pytest.approx(
         100 * brevity * math.exp(log_p), rel=1e-9
     )
+
+
+@pytest.mark.parametrize(
+    "hyps, refs",
+    [("a cat sat", "a cat sat"), (["a cat"], [["a cat"]]), (["a cat", None], ["a", "b"])],
+)
+def test_corpus_bleu_refuses_what_is_not_a_list_of_sentences(hyps, refs):
+    # A str scored as one sentence per character (BLEU 0.0); sacreBLEU's list of reference
+    # lists gave its own TypeError.
+    from attnlab.metrics import corpus_bleu
+
+    with pytest.raises(AttnlabError, match="must be a list of sentences"):
+        corpus_bleu(hyps, refs)

@@ -252,11 +252,19 @@ def test_read_conll_character_per_line_and_untagged(tmp_path):
         ("EU B-ORG\n\nrejects X-VERB\n", "line 3: tag 'X-VERB' is not O, B-TYPE or I-TYPE"),
         ("-DOCSTART- -X- O O\n\n\n", "holds no sentences"),
         (b"EU B-ORG\n\xc3\n", "line 2: not valid UTF-8"),
+        ("EU NNP B-ORG\nrejects VBZ\n", "line 2: 2 columns where line 1 has 3"),
     ],
 )
 def test_read_conll_errors(tmp_path, content, message):
     with pytest.raises(AttnlabError, match=message):
         read_conll(write(tmp_path / "bad.txt", content))
+
+
+def test_read_conll_refuses_running_text_as_tokens(tmp_path):
+    # Sentences a line (no tags to read) once passed as one sentence of each line's first word.
+    text = "Angela Merkel visited Paris on Monday .\nGoogle opened an office .\n"
+    with pytest.raises(AttnlabError, match="line 2: 5 columns where line 1 has 7"):
+        read_conll(write(tmp_path / "plain.txt", text), tag_column=None)
 
 
 def test_to_bio():

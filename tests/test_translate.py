@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from attnlab.cli import main
+from attnlab.errors import AttnlabError
 from attnlab.tasks.translate import average_checkpoints, bundled_pairs, load_translation_model
 
 TINY = """[model_config]
@@ -369,3 +370,14 @@ def test_resume_of_a_start_killed_while_writing_its_vocabulary(run_dir, data, cl
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "notes.txt").write_text("mine")
     assert_one_error(*cli(*train_args(data, tmp_path / "notes", "--resume")), "no translation run")
+
+
+def test_translate_lines_takes_one_string_as_one_line(run_dir):
+    # A str was read as a list of characters: one "translation" per letter.
+    from attnlab.tasks.translate import translate_lines
+
+    model, tokenizer = load_translation_model(run_dir[0])
+    one = translate_lines(model, tokenizer, "ein hund läuft .", beam=1)
+    assert one == translate_lines(model, tokenizer, ["ein hund läuft ."], beam=1) and len(one) == 1
+    with pytest.raises(AttnlabError, match="lines must be strings, got a NoneType"):
+        translate_lines(model, tokenizer, ["ein hund .", None], beam=1)

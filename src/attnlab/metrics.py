@@ -267,6 +267,9 @@ def corpus_bleu(
     hypotheses: Sequence[str], references: Sequence[str], tokenize: str = "13a"
 ) -> dict:
     """sacreBLEU of detokenized hypotheses against one reference each: score, signature, details."""
+    for name, texts in (("hypotheses", hypotheses), ("references", references)):
+        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+            raise AttnlabError(f"{name} must be a list of sentences (strings), one per line")
     if len(hypotheses) != len(references):
         raise AttnlabError(
             f"{len(hypotheses)} translations but {len(references)} references: "

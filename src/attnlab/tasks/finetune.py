@@ -698,6 +698,9 @@ def _save(run: FinetuneRun, opts: FinetuneOptions, model: nn.Module, where: Path
 def finetune(opts: FinetuneOptions) -> dict[str, Any]:
     """Fine-tune --model on --train (scoring --dev); the best model ends up in --out."""
     rank, _, _ = init_distributed()
+    opts = dataclasses.replace(
+        opts
+    )  # prepare() fills in defaults: the caller's copy stays as given
     run = prepare(opts)
     if run.fresh:
         _say(f"{opts.model}: new randomly initialised {' and '.join(run.fresh)} for {opts.task}")
@@ -791,7 +794,15 @@ def load_finetuned(
         raise AttnlabError(
             f"{model_dir} is a {saved_task!r} model: it cannot be used for task {task!r}"
         )
-    settings.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    unknown = set(overrides) - set(DATA_SETTINGS[1:])
+    if unknown:
+        raise AttnlabError(
+            f"overrides: no data setting {', '.join(sorted(unknown))} (the task is the model's; "
+            f"choose from {', '.join(DATA_SETTINGS[1:])})"
+        )
+    check_types(FinetuneOptions, overrides, "overrides")
+    settings.update(overrides)
     if settings["max_length"] is None:
         settings["max_length"] = DEFAULT_MAX_LENGTH[saved_task]
     _check_model_fits(saved_task, settings, model_dir)

@@ -171,7 +171,7 @@ def load_translation_model(model_dir: str | Path) -> tuple[Transformer, BpeToken
 def translate_lines(
     model: Transformer,
     tokenizer: BpeTokenizer,
-    lines: Sequence[str],
+    lines: Sequence[str] | str,
     beam: int = 4,
     length_penalty: float = 0.6,
     batch_size: int = 64,
@@ -184,8 +184,13 @@ def translate_lines(
     """One detokenized translation per line, in input order (an empty line gives "").
 
     ``workers`` batches decode at once, sharing the torch threads (decode.py: map_batches);
-    None: one per thread on CPU, 1 on a GPU.
+    None: one per thread on CPU, 1 on a GPU. A single string is one line.
     """
+    if isinstance(lines, str):
+        lines = [lines]
+    if not all(isinstance(line, str) for line in lines):
+        bad = next(line for line in lines if not isinstance(line, str))
+        raise AttnlabError(f"lines must be strings, got a {type(bad).__name__}")
     if batch_size < 1:
         raise AttnlabError("--batch-size must be at least 1")
     if workers is not None and workers < 1:

@@ -412,7 +412,8 @@ class WordExample:
 def read_conll(path: str | Path, tag_column: int | None = -1) -> list[WordExample]:
     """Read a CoNLL column file (optionally .gz): token first, BIO tag in `tag_column`.
 
-    Columns are whitespace-separated and a blank line ends a sentence; `-DOCSTART-` lines
+    Columns are whitespace-separated, as many on every line (a line of running text would
+    otherwise pass as its first word), and a blank line ends a sentence; `-DOCSTART-` lines
     are skipped. `tag_column=None` reads untagged text (one token a line, tags None). Tags
     come back in BIO: an I-X that starts an entity (IOB1, as the original CoNLL-2003 files
     write it, or a slip in a BIO file) becomes B-X, the entity conlleval and seqeval read
@@ -423,6 +424,7 @@ def read_conll(path: str | Path, tag_column: int | None = -1) -> list[WordExampl
     words: list[str] = []
     tags: list[str] = []
     start = 0
+    width: tuple[int, int] | None = None  # (columns, line) of the first token line
 
     def end_sentence() -> None:
         if words:
@@ -439,13 +441,20 @@ def read_conll(path: str | Path, tag_column: int | None = -1) -> list[WordExampl
             continue
         if not words:
             start = number
-        words.append(fields[0])
-        if tag_column is None:
-            continue
-        if len(fields) < 2:
+        if tag_column is not None and len(fields) < 2:
             raise AttnlabError(
                 f"{path}, line {number}: expected a token and a tag, got {line.strip()!r}"
             )
+        if width is None:
+            width = (len(fields), number)
+        elif len(fields) != width[0]:
+            raise AttnlabError(
+                f"{path}, line {number}: {len(fields)} columns where line {width[1]} has "
+                f"{width[0]}: CoNLL files hold one token a line (a blank line between sentences)"
+            )
+        words.append(fields[0])
+        if tag_column is None:
+            continue
         try:
             tag = fields[tag_column]
         except IndexError:

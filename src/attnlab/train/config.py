@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnlab.config import check_types
 from attnlab.errors import AttnlabError
 from attnlab.train.optim import OPTIMIZER_DEFAULTS, SCHEDULES
 
@@ -123,6 +124,9 @@ class RunOptions:
 
     def validate(self) -> None:
         """Raise AttnlabError for an impossible run setting."""
+        # Typed as the CLI's --config files are checked (a Python caller may pass "3" for 3).
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        check_types(type(self), fields, type(self).__name__)
         if self.log_every < 1:
             raise AttnlabError(f"--log-every must be at least 1, got {self.log_every}")
         if self.keep_last < 0:
