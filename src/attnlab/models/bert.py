@@ -243,7 +243,7 @@ class BertMLMHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def forward(self, hidden: Tensor, weight: Tensor | None = None) -> Tensor:
-        """(..., d_model) -> (..., vocab_size) logits; weight: the tied table's handle (tied_weight)."""
+        """(..., d_model) -> (..., vocab_size) logits; weight: the tied table's own handle."""
         h = self.norm(self.act(self.dense(hidden)))
         return linear(h, self.word_embeddings.weight if weight is None else weight, self.bias)
 

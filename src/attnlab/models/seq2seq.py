@@ -273,8 +273,7 @@ class Transformer(nn.Module):
         "nll_loss" (the same without smoothing: log-perplexity per token) and "n_tokens"; the
         projection then runs only at non-pad positions and the logits are not kept.
         """
-        check_token_batch(src_ids, "src_ids", src_mask=src_mask)
-        check_token_batch(tgt_in, "tgt_in", tgt_out=tgt_out)
+        check_token_batch(tgt_in, "tgt_in", tgt_out=tgt_out)  # encode() checks the source
         if len(tgt_in) != len(src_ids):
             raise AttnlabError(
                 f"tgt_in has {len(tgt_in)} rows but src_ids {len(src_ids)}: one target per source"

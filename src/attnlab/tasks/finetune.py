@@ -698,9 +698,8 @@ def _save(run: FinetuneRun, opts: FinetuneOptions, model: nn.Module, where: Path
 def finetune(opts: FinetuneOptions) -> dict[str, Any]:
     """Fine-tune --model on --train (scoring --dev); the best model ends up in --out."""
     rank, _, _ = init_distributed()
-    opts = dataclasses.replace(
-        opts
-    )  # prepare() fills in defaults: the caller's copy stays as given
+    # prepare() fills in defaults: it gets a copy, and the caller's options stay as given
+    opts = dataclasses.replace(opts)
     run = prepare(opts)
     if run.fresh:
         _say(f"{opts.model}: new randomly initialised {' and '.join(run.fresh)} for {opts.task}")
