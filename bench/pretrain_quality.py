@@ -5,8 +5,8 @@ for the same number of minutes on the same data through the same pipeline (vocab
 examples, dynamic masking, trainer, held-out set); only the model differs. Each first times a
 few steps to size its schedule to the time budget, which is also a hard stop. The data
 (--lang): the Chinese corpus (../shared/data/zh-corpus: reviews and headlines), English text
-(tinyshakespeare + WikiText-2 valid, interleaved), or both interleaved; the last 400 documents
-are held out. The attnlab run also saves its model (HF layout) in OUT/model.
+(tinyshakespeare + WikiText-2 valid, interleaved), or both interleaved; 400 documents drawn
+across the corpus by a fixed seed are held out (the last 400 before 2026-12-02). The attnlab run also saves its model (HF layout) in OUT/model.
 
 Usage: python bench/pretrain_quality.py --model attnlab|hf --lang zh|en|both --minutes 30 --out DIR
        [--threads 1]
