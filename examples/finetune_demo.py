@@ -67,7 +67,8 @@ def main() -> None:
             )
         )
         best = summary["results"]["best"]
-        print(f"best dev accuracy {best['accuracy']:.3f} at step {best['step']}; model in {out}")
+        where = f"model in {out}" if args.out else "model in a temporary folder (--out keeps it)"
+        print(f"best dev accuracy {best['accuracy']:.3f} at step {best['step']}; {where}")
         (work / "new.tsv").write_text("text\n" + "\n".join(NEW_SENTENCES) + "\n")
         predict_file(out, work / "new.tsv", work / "predictions.jsonl")
         for line in (work / "predictions.jsonl").read_text().splitlines():
