@@ -30,6 +30,7 @@ from attnlab.tasks.finetune import (
     LengthGroupedBatches,
     collate,
     finetune,
+    load_finetuned,
     read_examples,
 )
 from attnlab.text.tokenizer import BertTokenizer
@@ -442,6 +443,9 @@ def test_ner_end_to_end(fixture, tiny_dir, tmp_path, capsys):
     assert [[line.split()[0] for line in b.splitlines()] for b in blocks] == [
         s.words for s in sentences
     ]
+    # From Python: the same tags for word lists, as HF's
+    rows = load_finetuned(out).predict([s.words for s in sentences])
+    assert [row["tags"] for row in rows] == predicted
 
 
 def test_qa_end_to_end(tiny_dir, tmp_path, capsys):
@@ -468,6 +472,14 @@ def test_qa_end_to_end(tiny_dir, tmp_path, capsys):
         for qa in paragraph["qas"]
     }
     assert set(answers) == set(gold)
+    questions = [
+        (qa["id"], qa["question"], paragraph["context"])
+        for article in json.loads((DATA / "squad.json").read_text())["data"]
+        for paragraph in article["paragraphs"]
+        for qa in paragraph["qas"]
+    ]
+    rows = load_finetuned(out).predict([(q, context) for _, q, context in questions])
+    assert [row["answer"] for row in rows] == [answers[qid] for qid, _, _ in questions]
     exact = sum(normalize_answer(answers[q]) == normalize_answer(g) for q, g in gold.items())
     assert metrics["exact_match"] == pytest.approx(100 * exact / len(gold))
     assert 0 <= metrics["exact_match"] <= metrics["f1"] <= 100
@@ -792,3 +804,15 @@ def test_python_api_checks_options_and_leaves_them_as_given(tiny_dir, tmp_path, 
         with pytest.raises(AttnlabError, match=fragment):
             evaluate_file(tmp_path / "clf", data, overrides=overrides)
     assert "accuracy" in evaluate_file(tmp_path / "clf", data, overrides={"max_length": 64})
+    # Predictions from Python inputs equal predict_file's rows for the same texts
+    from attnlab.tasks.finetune import predict_file
+
+    texts = ["a gripping, funny film", "dull and lifeless", "ok"]
+    (tmp_path / "new.tsv").write_text("sentence\n" + "\n".join(texts) + "\n")
+    predict_file(tmp_path / "clf", tmp_path / "new.tsv", tmp_path / "p.jsonl")
+    expected = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    loaded = load_finetuned(tmp_path / "clf")
+    loaded.model.train()  # left in training mode: predict() still drops nothing
+    assert loaded.predict(texts) == expected and loaded.model.training
+    with pytest.raises(AttnlabError, match=r"input 2: expected a text or a \(text, pair\) tuple"):
+        loaded.predict(["fine", ["not", "a", "text"]])

@@ -45,6 +45,7 @@ from attnlab.interop.hf import (
     save_task_model,
 )
 from attnlab.io import check_output_file, clear_dir, json_safe, write_text_atomic
+from attnlab.nn.dropout import eval_mode
 from attnlab.nn.packed import packed_linears
 from attnlab.tasks.pretrain import publish
 from attnlab.text import tasks as task_data
@@ -431,7 +432,7 @@ def run_model(
     device = next(model.parameters()).device
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]), reverse=True)
     results: list[dict[str, np.ndarray]] = [{} for _ in rows]
-    with packed_linears(model):  # weights packed once for every batch
+    with eval_mode(model), packed_linears(model):  # no dropout; weights packed once
         for start in range(0, len(order), batch_size):
             index = order[start : start + batch_size]
             batch = collate([rows[i] for i in index], pad_id, targets=False)
@@ -756,6 +757,49 @@ class FinetunedModel:
     labels: task_data.LabelSet | None
     settings: dict[str, Any]
 
+    def predict(self, inputs: Sequence[Any], batch_size: int = 64) -> list[dict[str, Any]]:
+        """One prediction per input, in order, as predict_file's rows.
+
+        classify / regress: a text or a (text, pair) tuple, giving {"label", "probabilities"}
+        or {"score"}; ner: a list of words (or a text, split at spaces), giving {"words",
+        "tags"}; qa: a (question, context) tuple, giving {"id", "answer"}.
+        """
+        task = self.settings["task"]
+        examples = [_python_example(task, item, i) for i, item in enumerate(inputs)]
+        if not examples:
+            return []
+        settings = {**self.settings, "_scoring": True}
+        source = Path("<inputs>")
+        data = featurise(task, self.tokenizer, examples, None, settings, source)
+        outputs = run_model(self.model, data.rows, self.tokenizer.pad_id, batch_size)
+        return prediction_rows(data, outputs, self.labels, settings)
+
+
+def _python_example(task: str, item: Any, index: int) -> Any:
+    """The task's example for one input given from Python (FinetunedModel.predict)."""
+
+    def texts(value: Any) -> bool:
+        return (
+            isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, str) for v in value)
+        )
+
+    if task in ("classify", "regress"):
+        if isinstance(item, str):
+            return task_data.TextExample(item, line=index + 1)
+        if texts(item):
+            return task_data.TextExample(item[0], item[1], line=index + 1)
+        wanted = "a text or a (text, pair) tuple"
+    elif task == "ner":
+        words = item.split() if isinstance(item, str) else item
+        if isinstance(words, list) and words and all(isinstance(w, str) and w for w in words):
+            return task_data.WordExample(list(words), None, index + 1)
+        wanted = "a non-empty list of words, or a text"
+    else:  # qa
+        if texts(item):
+            return task_data.QAExample(str(index), "", item[0], item[1], [])
+        wanted = "a (question, context) tuple of strings"
+    raise AttnlabError(f"input {index + 1}: expected {wanted} for {task}, got {item!r:.60}")
+
 
 def load_finetuned(
     model_dir: str | Path, task: str | None = None, overrides: dict[str, Any] | None = None
@@ -865,28 +909,21 @@ def predict_file(
     return len(examples)
 
 
-def prediction_text(
+def prediction_rows(
     data: TaskData,
     outputs: list[dict[str, np.ndarray]],
     labels: task_data.LabelSet | None,
     settings: dict[str, Any],
-    output: Path,
-) -> str:
-    """The predictions file: JSONL (classify/regress, ner .jsonl), CoNLL (ner), SQuAD JSON (qa)."""
+) -> list[dict[str, Any]]:
+    """One JSON-ready prediction per example: label and probabilities, score, tags or answer."""
     task = data.task
     if task == "qa":
         answers = qa_answers(data, outputs, settings)
-        return json.dumps(answers, ensure_ascii=False, indent=2, allow_nan=False) + "\n"
-    lines = []
+        return [{"id": e.id, "answer": answers[e.id]} for e in data.examples]
     if task == "ner":
-        conll = not output.name.endswith(".jsonl")
-        for example, tags in zip(data.examples, ner_tags(data, outputs, labels), strict=True):
-            if conll:
-                lines.extend(f"{w} {t}" for w, t in zip(example.words, tags, strict=True))
-                lines.append("")
-            else:
-                lines.append(json.dumps({"words": example.words, "tags": tags}, ensure_ascii=False))
-        return "\n".join(lines) + "\n"
+        tags = ner_tags(data, outputs, labels)
+        return [{"words": e.words, "tags": t} for e, t in zip(data.examples, tags, strict=True)]
+    rows = []
     for example, out in zip(data.examples, outputs, strict=True):
         row: dict[str, Any] = {"text": example.text}
         if example.pair is not None:
@@ -899,5 +936,27 @@ def prediction_text(
             row["probabilities"] = {
                 n: round(p, 6) for n, p in zip(labels.names, probs, strict=True)
             }
-        lines.append(json.dumps(json_safe(row), ensure_ascii=False, allow_nan=False))
+        rows.append(json_safe(row))
+    return rows
+
+
+def prediction_text(
+    data: TaskData,
+    outputs: list[dict[str, np.ndarray]],
+    labels: task_data.LabelSet | None,
+    settings: dict[str, Any],
+    output: Path,
+) -> str:
+    """The predictions file: JSONL (classify/regress, ner .jsonl), CoNLL (ner), SQuAD JSON (qa)."""
+    rows = prediction_rows(data, outputs, labels, settings)
+    if data.task == "qa":
+        answers = {row["id"]: row["answer"] for row in rows}
+        return json.dumps(answers, ensure_ascii=False, indent=2, allow_nan=False) + "\n"
+    if data.task == "ner" and not output.name.endswith(".jsonl"):  # CoNLL: word tag lines
+        lines = []
+        for row in rows:
+            lines.extend(f"{w} {t}" for w, t in zip(row["words"], row["tags"], strict=True))
+            lines.append("")
+        return "\n".join(lines) + "\n"
+    lines = [json.dumps(row, ensure_ascii=False, allow_nan=False) for row in rows]
     return "\n".join(lines) + "\n"
