@@ -3,6 +3,8 @@ without spaces included), save/load, clear errors, and `attnlab tokenizer train 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from attnlab.cli import main
@@ -19,6 +21,7 @@ CORPUS = [
     "我们明天去公园看花。",
     "The weather is nice today, let's walk in the park.",
     "他说：“Hello!” 然后走了。",
+    "Note: wait… what? 好！然后……",
 ] * 5
 
 ROUND_TRIP = [
@@ -58,10 +61,19 @@ def test_unseen_characters_become_unk(tokenizer):
     assert tokenizer.decode(ids) == "我们 "  # <unk> is dropped, like the other specials
 
 
-def test_nfkc_normalises_full_width_forms(tokenizer):
-    text = "Ｔｗｏ，好"
-    assert tokenizer.normalize(text) == "Two,好"
-    assert tokenizer.decode(tokenizer.encode(text)) == tokenizer.normalize(text)
+def test_full_width_punctuation_and_ellipses_round_trip(tokenizer, tmp_path):
+    # Chinese references keep ，！？ and English ones …: a decoded output must too, or BLEU
+    # counts every such token wrong (NFKC folded them to ,!? and ...).
+    text = "他说：“好！”，然后走了……"
+    assert tokenizer.normalize(text) == text
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.decode(tokenizer.encode("wait… what?")) == "wait… what?"
+    # A tokenizer saved with NFKC (before 2026-12-02) keeps it: its merges were learnt on it.
+    tokenizer.save(tmp_path)
+    data = json.loads((tmp_path / "tokenizer.json").read_text())
+    data["normalizer"] = {"type": "NFKC"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    assert BpeTokenizer.from_dir(tmp_path).normalize("，") == ","
 
 
 def test_specials_are_dropped_on_decode(tokenizer):

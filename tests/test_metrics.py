@@ -237,3 +237,16 @@ def test_corpus_bleu_refuses_what_is_not_a_list_of_sentences(hyps, refs):
 
     with pytest.raises(AttnlabError, match="must be a list of sentences"):
         corpus_bleu(hyps, refs)
+
+
+def test_bleu_of_chinese_references_uses_sacrebleus_zh_tokenizer():
+    # 13a takes an unspaced Chinese sentence for one word: a near miss scores 0 there.
+    from attnlab.metrics import bleu_tokenizer_for, corpus_bleu
+
+    refs = ["我们今天去公园散步，天气很好！", "他明天要去北京开会。"]
+    hyps = ["我们今天去公园散步，天气很好。", "他明天去北京开会。"]
+    assert bleu_tokenizer_for(refs) == "zh"
+    assert bleu_tokenizer_for(["A man rides a bike, 好."]) == "13a"
+    auto = corpus_bleu(hyps, refs)
+    assert "tok:zh" in auto["signature"] and auto["bleu"] > 40
+    assert corpus_bleu(hyps, refs, tokenize="13a")["bleu"] == 0.0

@@ -381,3 +381,14 @@ def test_translate_lines_takes_one_string_as_one_line(run_dir):
     assert one == translate_lines(model, tokenizer, ["ein hund läuft ."], beam=1) and len(one) == 1
     with pytest.raises(AttnlabError, match="lines must be strings, got a NoneType"):
         translate_lines(model, tokenizer, ["ein hund .", None], beam=1)
+
+
+def test_clip_norm_is_an_option(tmp_path):
+    # The paper does not clip gradients; the trainer does by default (norm 1.0).
+    from attnlab.tasks.translate import TranslateOptions, trainer_config
+
+    assert trainer_config(TranslateOptions(out=tmp_path / "a")).clip_norm == 1.0
+    assert trainer_config(TranslateOptions(out=tmp_path / "b", clip_norm=0.0)).clip_norm is None
+    for bad in (-1.0, float("inf")):
+        with pytest.raises(AttnlabError, match="clip.norm must be a finite number"):
+            TranslateOptions(out=tmp_path / "c", clip_norm=bad).validate()

@@ -497,7 +497,8 @@ def cmd_translate_score(args: argparse.Namespace) -> None:
     from attnlab.metrics import bleu_metric, corpus_bleu
     from attnlab.tasks.translate import load_translation_model
 
-    bleu_metric(args.tokenize)  # a tokenizer that cannot run is said before the translating
+    if args.tokenize is not None:  # a tokenizer that cannot run is said before the translating
+        bleu_metric(args.tokenize)
     model, tokenizer = load_translation_model(args.model)
     sources, references = read_lines(args.src), read_lines(args.ref)
     if len(sources) != len(references):
@@ -563,6 +564,11 @@ def _add_translate_commands(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--lr", type=float, help="peak learning rate (default 7e-4)")
     train.add_argument("--warmup", type=int, help="warm-up steps (default 4000, <= 10%% of steps)")
     train.add_argument("--grad-accum", type=int, help="batches per optimiser step")
+    train.add_argument(
+        "--clip-norm",
+        type=float,
+        help="clip the gradient norm to this (default 1.0; 0: no clipping)",
+    )
     train.add_argument("--dropout", type=float, help="dropout (default: the preset's)")
     train.add_argument("--label-smoothing", type=float, help="epsilon_ls (default 0.1)")
     train.add_argument("--average-last", type=int, help="final model = mean of last N checkpoints")
@@ -586,7 +592,8 @@ def _add_translate_commands(commands: argparse._SubParsersAction) -> None:
     score.add_argument("--src", required=True, help="source sentences, one a line")
     score.add_argument("--ref", required=True, help="reference translations, one a line")
     score.add_argument(
-        "--tokenize", default="13a", help="sacreBLEU tokenizer (13a; zh for Chinese)"
+        "--tokenize",
+        help="sacreBLEU tokenizer (default: zh when the references are mostly Chinese, else 13a)",
     )
     _add_decoding_flags(score)
 

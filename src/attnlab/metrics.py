@@ -263,10 +263,28 @@ def bleu_metric(tokenize: str = "13a") -> Any:
         logger.setLevel(level)
 
 
+def bleu_tokenizer_for(references: Sequence[str]) -> str:
+    """sacreBLEU's tokenizer for references: "zh" if most letters are Chinese, else "13a".
+
+    sacreBLEU picks "zh" for a Chinese target language; 13a would take a whole unspaced
+    Chinese sentence for one word (a near miss scores 0).
+    """
+    letters = cjk = 0
+    for text in references:
+        for char in text:
+            if char.isalpha():
+                letters += 1
+                cjk += "\u3400" <= char <= "\u9fff" or "\uf900" <= char <= "\ufaff"
+    return "zh" if letters and cjk >= letters / 2 else "13a"
+
+
 def corpus_bleu(
-    hypotheses: Sequence[str], references: Sequence[str], tokenize: str = "13a"
+    hypotheses: Sequence[str], references: Sequence[str], tokenize: str | None = None
 ) -> dict:
-    """sacreBLEU of detokenized hypotheses against one reference each: score, signature, details."""
+    """sacreBLEU of detokenized hypotheses against one reference each: score, signature, details.
+
+    ``tokenize`` None: "zh" for mostly Chinese references, else "13a" (bleu_tokenizer_for).
+    """
     for name, texts in (("hypotheses", hypotheses), ("references", references)):
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise AttnlabError(f"{name} must be a list of sentences (strings), one per line")
@@ -277,7 +295,7 @@ def corpus_bleu(
         )
     if not references:
         raise AttnlabError("no sentences to score: the files are empty")
-    bleu = bleu_metric(tokenize)
+    bleu = bleu_metric(tokenize or bleu_tokenizer_for(references))
     result = bleu.corpus_score(list(hypotheses), [list(references)])
     return {
         "bleu": result.score,

@@ -3,9 +3,10 @@
 The recipe joins the parts: a joint BPE vocabulary (given, or learnt on the training pairs),
 length-sorted token-count batches, the encoder-decoder ``Transformer`` of a preset size
 trained by the one shared trainer with the paper's settings (label smoothing 0.1 inside the
-model, Adam(0.9, 0.98, 1e-9), inverse-square-root warm-up), validation loss and sacreBLEU
-during training, and the average of the last checkpoints as the final model (section 6.1:
-"we used a single model obtained by averaging the last 5 checkpoints").
+model, Adam(0.9, 0.98, 1e-9), inverse-square-root warm-up; the trainer's gradient clipping
+too, unless --clip-norm 0), validation loss and sacreBLEU during training, and, with
+--average-last N (default 1), the average of the last checkpoints as the final model (section
+6.1: "we used a single model obtained by averaging the last 5 checkpoints").
 
 An output directory is a translation model: ``config.json`` (the TransformerConfig plus
 ``"model_type": "attnlab-transformer"``), ``model.safetensors``, ``tokenizer.json``, and the
@@ -243,6 +244,7 @@ class TranslateOptions(RunOptions):
     lr: float = 7e-4  # the peak; the paper's d_model^-0.5 * 4000^-0.5 is 7e-4 for d_model 512
     warmup: int | None = None  # None: 4000 (the paper), at most 10% of steps
     grad_accum: int = 1
+    clip_norm: float = 1.0  # gradient-norm clipping, 0: none (the paper does not clip)
     dropout: float | None = None
     label_smoothing: float | None = None
     average_last: int = 1  # > 1: the final model averages the last N checkpoints
@@ -298,6 +300,8 @@ class TranslateOptions(RunOptions):
             raise AttnlabError("--max-minutes must be > 0")
         if self.eval_sentences < 0:
             raise AttnlabError("--eval-sentences must be >= 0")
+        if not 0 <= self.clip_norm < math.inf:
+            raise AttnlabError(f"--clip-norm must be a finite number >= 0, got {self.clip_norm}")
 
 
 def _paths(value: Any, name: str) -> list[Path]:
@@ -531,6 +535,7 @@ def trainer_config(opts: TranslateOptions) -> TrainConfig:
         schedule="inverse_sqrt",
         optimizer="adam",  # with the paper's betas (0.9, 0.98) and eps 1e-9
         grad_accum=opts.grad_accum,
+        clip_norm=opts.clip_norm or None,
         precision=opts.precision,
         seed=opts.seed,
         log_every=opts.log_every,
