@@ -390,5 +390,5 @@ def test_clip_norm_is_an_option(tmp_path):
     assert trainer_config(TranslateOptions(out=tmp_path / "a")).clip_norm == 1.0
     assert trainer_config(TranslateOptions(out=tmp_path / "b", clip_norm=0.0)).clip_norm is None
     for bad in (-1.0, float("inf")):
-        with pytest.raises(AttnlabError, match="clip.norm must be a finite number"):
+        with pytest.raises(AttnlabError, match=r"clip.norm must be a finite number"):
             TranslateOptions(out=tmp_path / "c", clip_norm=bad).validate()
