@@ -194,7 +194,11 @@ class BertTokenizer:
     # ---- encoding -----------------------------------------------------------------------
 
     def encode(self, text: str, pair: str | None = None, max_length: int | None = None) -> Encoding:
-        """Encode `text` (and `pair`) as [CLS] A [SEP] (B [SEP]), truncated to max_length."""
+        """Encode `text` (and `pair`) as [CLS] A [SEP] (B [SEP]), truncated to max_length.
+
+        An empty `pair` still gives its [SEP], as HF's tokenizer does for a batch of pairs (the
+        way its training scripts call it; one call with an empty pair drops it).
+        """
         max_length = self.max_length if max_length is None else max_length
         backend = self._truncating_backend(max_length, pair is not None)
         return _to_encoding(backend.encode(text, pair), max_length)
