@@ -846,3 +846,57 @@ def test_an_unknown_allocator_setting_is_one_clear_error(monkeypatch: pytest.Mon
     monkeypatch.setenv("ATTNLAB_MALLOC", "off")
     with pytest.raises(AttnlabError, match="ATTNLAB_MALLOC must be 'keep' or 'default'"):
         memory.keep_freed_memory()
+
+
+class _NumpyStateBatches(TensorBatches):
+    def state_dict(self) -> dict:
+        import numpy as np
+
+        return {**super().state_dict(), "where": np.int64(3)}
+
+
+def test_plain_mistakes_with_the_python_api_are_clear_errors(tmp_path: Path, capsys) -> None:
+    # Raw AttributeError, StopIteration or TypeError before; a checkpoint that could not be read
+    # back (its state held numpy scalars) whose error said to delete it.
+    def config(**options: object) -> TrainConfig:
+        return TrainConfig(out_dir=tmp_path / "run", progress=False, device="cpu", **options)
+
+    data = make_data()
+    with pytest.raises(AttnlabError, match=r"train: steps must be an integer, got 4\.5"):
+        config(steps=4.5)
+    with pytest.raises(AttnlabError, match=r"batches must be a BatchSource .* list is not"):
+        Trainer(TinyClassifier(), [data] * 4, config(steps=4))
+    with pytest.raises(AttnlabError, match="on_best needs a best_metric"):
+        Trainer(TinyClassifier(), TensorBatches(data, 8), config(steps=4), on_best=print)
+
+    class Ending(TensorBatches):
+        def __iter__(self):
+            return iter([{k: v[:8] for k, v in data.items()}] * 3)
+
+    with pytest.raises(AttnlabError, match="the batches ran out at step 4"):
+        Trainer(TinyClassifier(), Ending(data, 8), config(steps=5, overwrite=True)).fit()
+
+    class Tuples(TensorBatches):
+        def __iter__(self):
+            return ((b["input_ids"], b["labels"]) for b in super().__iter__())
+
+    with pytest.raises(AttnlabError, match=r"a batch must be a dict .* got a tuple"):
+        Trainer(TinyClassifier(), Tuples(data, 8), config(steps=2, overwrite=True)).fit()
+    for result, fragment in ((0.5, "must return a dict of named numbers, got float"),
+                             ({"acc": "high"}, r"evaluate\(model\)\['acc'\] is not a number")):  # fmt: skip
+        trainer = Trainer(
+            TinyClassifier(), TensorBatches(data, 8), config(steps=2, eval_every=1, overwrite=True),
+            evaluate=lambda model, r=result: r,
+        )  # fmt: skip
+        with pytest.raises(AttnlabError, match=fragment):
+            trainer.fit()
+    batches = _NumpyStateBatches(data, 8)
+    with pytest.raises(AttnlabError, match=r"state_dict\(\)\['where'\] holds a int64"):
+        Trainer(TinyClassifier(), batches, config(steps=2, save_every=1, overwrite=True)).fit()
+
+
+def test_resuming_a_linear_schedule_with_more_steps_warns(tmp_path: Path, capsys) -> None:
+    train(tmp_path / "run", steps=4, save_every=2)
+    capsys.readouterr()
+    train(tmp_path / "run", steps=8, save_every=2, resume=True)
+    assert "the linear decay is stretched to the new last step" in capsys.readouterr().err

@@ -713,7 +713,8 @@ def finetune(opts: FinetuneOptions) -> dict[str, Any]:
         run.batches,
         run.train_config,
         run.evaluate,
-        on_best=lambda model, _: _save(run, opts, model, stage),
+        # with a dev set, each better dev score keeps its model; without, the last one is kept
+        on_best=(lambda model, _: _save(run, opts, model, stage)) if run.evaluate else None,
     )
     summary = trainer.fit()
     if rank == 0:

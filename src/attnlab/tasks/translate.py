@@ -590,7 +590,8 @@ def train_translation(
     def keep_best(best_model: nn.Module, metrics: dict[str, float]) -> None:
         save_model_dir(opts.out / BEST_DIR, data.config, data.tokenizer, best_model)
 
-    summary = Trainer(model, data.batches, config, evaluate, on_best=keep_best).fit()
+    on_best = keep_best if config.best_metric is not None else None
+    summary = Trainer(model, data.batches, config, evaluate, on_best=on_best).fit()
     if rank == 0:
         summary.update(_finish(opts, model, data, evaluate))
     barrier()

@@ -70,6 +70,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise AttnlabError for an out-of-range or contradictory field."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        check_types(type(self), fields, "train")  # steps=4.5 ran 5 steps and never finished
         for name, low in (("steps", 1), ("grad_accum", 1), ("log_every", 1)):
             if getattr(self, name) < low:
                 raise AttnlabError(f"train: {name} must be >= {low}, got {getattr(self, name)}")

@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,12 +168,19 @@ class Trainer:
 
     ``model(**batch)`` must return a dict with a scalar ``"loss"``; its other 0-dim tensors
     (e.g. ``mlm_loss``, ``nsp_loss``) are logged too. ``evaluate(model)`` is called in eval
-    mode under no_grad on rank 0 and returns named floats; it cannot disturb training (the
-    RNG states are put back afterwards). With ``config.best_metric`` set, ``on_best(model,
-    metrics)`` is called (rank 0) after each evaluation that improves that metric, e.g. to
-    keep the best dev model. ``optimizer`` / ``scheduler`` default to those the config names.
-    Under torchrun the model is wrapped in DistributedDataParallel and each rank reads its own
-    shard of batches; only rank 0 writes files or shows progress.
+    mode under no_grad (and the run's bf16 autocast) on rank 0 and returns named floats; it
+    cannot disturb training (the RNG states are put back afterwards). With
+    ``config.best_metric`` set, ``on_best(model, metrics)`` is called (rank 0) after each
+    evaluation that improves that metric, e.g. to keep the best dev model.
+    ``optimizer`` / ``scheduler`` default to those the config names (AdamW decays the weights
+    of 2-D and larger parameters only: train/optim.py: decay_groups). Under torchrun the
+    model is wrapped in DistributedDataParallel and each rank reads its own shard of batches;
+    only rank 0 writes files or shows progress.
+
+    For the whole process, not just the run: ``fit()`` seeds Python's, numpy's and torch's
+    global generators with ``config.seed``, and the trainer tells glibc's malloc to keep
+    freed memory (train/memory.py; ``ATTNLAB_MALLOC=default`` before it opts out). The model
+    is left in training mode.
     """
 
     def __init__(
@@ -190,6 +197,14 @@ class Trainer:
         keep_freed_memory()  # no page faults for each step's large temporaries (train/memory.py)
         if config.best_metric is not None and evaluate is None:
             raise AttnlabError("train: best_metric needs an evaluate function")
+        if on_best is not None and config.best_metric is None:
+            raise AttnlabError("train: on_best needs a best_metric to compare evaluations by")
+        missing = [m for m in BATCH_SOURCE_METHODS if not callable(getattr(batches, m, None))]
+        if missing:
+            raise AttnlabError(
+                f"train: batches must be a BatchSource (attnlab.train.data), which a "
+                f"{type(batches).__name__} is not: it lacks {', '.join(missing)}"
+            )
         self.rank, self.world_size, local_rank = init_distributed()
         self.is_main = self.rank == 0
         self.device = _resolve_device(config.device, local_rank)
@@ -325,7 +340,18 @@ class Trainer:
         values: dict[str, Tensor] = {}
         tokens = 0
         for micro in range(cfg.grad_accum):
-            batch = next(data)
+            try:
+                batch = next(data)
+            except StopIteration:
+                raise AttnlabError(
+                    f"train: the batches ran out at step {self.step + 1}: a BatchSource yields "
+                    "batches without end (epoch after epoch)"
+                ) from None
+            if not isinstance(batch, Mapping):
+                raise AttnlabError(
+                    "train: a batch must be a dict of model.forward's keyword arguments, got a "
+                    f"{type(batch).__name__}"
+                )
             tokens += self._tokens_in(batch)
             batch = {
                 k: v.to(self.device, non_blocking=True) if isinstance(v, Tensor) else v
@@ -400,7 +426,7 @@ class Trainer:
             self.model.eval()
             try:
                 with torch.no_grad(), self._autocast():
-                    metrics = {k: float(v) for k, v in self.evaluate(self.model).items()}
+                    metrics = _metrics_of(self.evaluate(self.model))
             finally:
                 self.model.train()
                 restore_rng(rng, self.device)
@@ -517,10 +543,19 @@ class Trainer:
             if "warmup" in changed and saved.get("steps") != now["steps"]:
                 differ += " (a job's default warm-up follows --steps: --warmup fixes it)"
             print(f"warning: resuming {path} with other settings: {differ}", file=sys.stderr)
+        longer = saved.get("steps") not in (None, now["steps"])
+        if longer and now["schedule"] == "linear" and self.is_main:
+            print(
+                f"warning: resuming {path} with steps {now['steps']} (checkpoint: "
+                f"{saved['steps']}): the linear decay is stretched to the new last step, so the "
+                "learning rate rises again here (an uninterrupted run of this length differs)",
+                file=sys.stderr,
+            )
 
     def _save(self) -> None:
         """Checkpoint the run as out_dir/checkpoints/step-<step> (rank 0 writes; all ranks wait)."""
         rng = gather_objects(capture_rng(self.device))
+        _check_state(self.batches.state_dict(), "state_dict()")
         data = gather_objects(self.batches.state_dict())
         window = self._window
         sums = {k: all_reduce_sum(v.clone()).cpu() for k, v in sorted(window.sums.items())}
@@ -549,6 +584,47 @@ class Trainer:
 def _due(step: int, every: int) -> bool:
     """Whether a periodic action (every 0 = never) falls on step."""
     return every > 0 and step % every == 0
+
+
+BATCH_SOURCE_METHODS = ("__iter__", "state_dict", "load_state_dict", "set_rank")
+
+
+def _metrics_of(result: Any) -> dict[str, float]:
+    """evaluate(model)'s named numbers as floats, or a one-line reason they are not."""
+    if not isinstance(result, Mapping):
+        raise AttnlabError(
+            f"evaluate(model) must return a dict of named numbers, got {type(result).__name__}"
+        )
+    metrics = {}
+    for name, value in result.items():
+        try:
+            metrics[str(name)] = float(value)
+        except (TypeError, ValueError):
+            raise AttnlabError(
+                f"evaluate(model)[{name!r}] is not a number: {value!r:.60}"
+            ) from None
+    return metrics
+
+
+def _check_state(state: Any, where: str) -> None:
+    """Refuse a batch-source state that a checkpoint could not be read back with (weights_only)."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            if not isinstance(key, str):
+                raise AttnlabError(
+                    f"train: the batch source's {where} has a key {key!r} that is not a string"
+                )
+            _check_state(value, f"{where}[{key!r}]")
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            _check_state(value, f"{where}[{i}]")
+    elif not (state is None or isinstance(state, (bool, int, float, str, Tensor))) or (
+        type(state).__module__ == "numpy"  # np.float64 is a float, but pickles as numpy's
+    ):
+        raise AttnlabError(
+            f"train: the batch source's {where} holds a {type(state).__name__}: a checkpoint "
+            "keeps only numbers, strings, lists, dicts and tensors (convert it, e.g. int(x))"
+        )
 
 
 def _loss_of(out: Any) -> Tensor:
