@@ -9,6 +9,9 @@ Chinese full-width punctuation included: the detokenized output is what sacreBLE
 with the references. (NFKC, used before 2026-12-02, folded ，！？ into ,!? and … into ...,
 which no reference does: a Chinese output that matched its reference token for token scored
 about 60 BLEU. A tokenizer saved with NFKC keeps it, as its vocabulary was learnt on it.)
+The round trip holds for text whose characters the vocabulary has seen (others become
+``<unk>``, which decoding drops: there is no byte fallback), without leading whitespace (a
+first "▁" is dropped) and without tabs or a literal "▁" (both read as spaces).
 
 Special tokens take the first ids: ``<pad>`` = 0, ``<sos>`` = 1, ``<eos>`` = 2, ``<unk>`` = 3.
 """
