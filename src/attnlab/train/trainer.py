@@ -555,8 +555,9 @@ class Trainer:
     def _save(self) -> None:
         """Checkpoint the run as out_dir/checkpoints/step-<step> (rank 0 writes; all ranks wait)."""
         rng = gather_objects(capture_rng(self.device))
-        _check_state(self.batches.state_dict(), "state_dict()")
-        data = gather_objects(self.batches.state_dict())
+        state = self.batches.state_dict()
+        _check_state(state, "state_dict()")
+        data = gather_objects(state)
         window = self._window
         sums = {k: all_reduce_sum(v.clone()).cpu() for k, v in sorted(window.sums.items())}
         tokens = all_reduce_sum(torch.tensor([window.tokens], device=self.device)).item()
