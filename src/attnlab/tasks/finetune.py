@@ -83,6 +83,7 @@ DATA_SETTINGS = (
     "max_answer_length",
     "language",
 )
+OVERRIDABLE = DATA_SETTINGS[1:]  # what evaluate/predict may change: all but the task
 
 
 def _say(message: str) -> None:
@@ -769,11 +770,25 @@ class FinetunedModel:
         examples = [_python_example(task, item, i) for i, item in enumerate(inputs)]
         if not examples:
             return []
-        settings = {**self.settings, "_scoring": True}
-        source = Path("<inputs>")
-        data = featurise(task, self.tokenizer, examples, None, settings, source)
-        outputs = run_model(self.model, data.rows, self.tokenizer.pad_id, batch_size)
-        return prediction_rows(data, outputs, self.labels, settings)
+        data, outputs = self.run(examples, Path("<inputs>"), batch_size)
+        return prediction_rows(data, outputs, self.labels, self.scoring)
+
+    @property
+    def scoring(self) -> dict[str, Any]:
+        """The data settings for evaluation and prediction (answers scored by the task's rule)."""
+        return {**self.settings, "_scoring": True}
+
+    def run(
+        self,
+        examples: list,
+        source: Path,
+        batch_size: int,
+        labels: task_data.LabelSet | None = None,
+    ) -> tuple[TaskData, list[dict[str, np.ndarray]]]:
+        """The examples' model rows (with targets when labels is given) and the model's outputs."""
+        task = self.settings["task"]
+        data = featurise(task, self.tokenizer, examples, labels, self.scoring, source)
+        return data, run_model(self.model, data.rows, self.tokenizer.pad_id, batch_size)
 
 
 def _python_example(task: str, item: Any, index: int) -> Any:
@@ -839,11 +854,11 @@ def load_finetuned(
             f"{model_dir} is a {saved_task!r} model: it cannot be used for task {task!r}"
         )
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
-    unknown = set(overrides) - set(DATA_SETTINGS[1:])
+    unknown = set(overrides) - set(OVERRIDABLE)
     if unknown:
         raise AttnlabError(
             f"overrides: no data setting {', '.join(sorted(unknown))} (the task is the model's; "
-            f"choose from {', '.join(DATA_SETTINGS[1:])})"
+            f"choose from {', '.join(OVERRIDABLE)})"
         )
     check_types(FinetuneOptions, overrides, "overrides")
     settings.update(overrides)
@@ -877,14 +892,11 @@ def evaluate_file(
 ) -> dict[str, float]:
     """The task's metrics of a fine-tuned model on a labelled file."""
     loaded = load_finetuned(model_dir, task, overrides)
-    settings = {**loaded.settings, "_scoring": True}
+    settings = loaded.scoring
     path = Path(data)
     examples = read_examples(settings["task"], path, settings, labelled=True)
     check_scorable(settings["task"], examples, path)
-    features = featurise(
-        settings["task"], loaded.tokenizer, examples, loaded.labels, settings, path
-    )
-    outputs = run_model(loaded.model, features.rows, loaded.tokenizer.pad_id, batch_size)
+    features, outputs = loaded.run(examples, path, batch_size, loaded.labels)
     return score(features, outputs, loaded.labels, settings)
 
 
@@ -900,12 +912,10 @@ def predict_file(
     """Write predictions for an (unlabelled) input file; returns how many examples."""
     output = check_output_file(output_path, overwrite, inputs=[input_path, model_dir])
     loaded = load_finetuned(model_dir, task, overrides)
-    settings = {**loaded.settings, "_scoring": True}
-    task = settings["task"]
+    settings = loaded.scoring
     path = Path(input_path)
-    examples = read_examples(task, path, settings, labelled=False)
-    data = featurise(task, loaded.tokenizer, examples, None, settings, path)
-    outputs = run_model(loaded.model, data.rows, loaded.tokenizer.pad_id, batch_size)
+    examples = read_examples(settings["task"], path, settings, labelled=False)
+    data, outputs = loaded.run(examples, path, batch_size)
     write_text_atomic(output, prediction_text(data, outputs, loaded.labels, settings, output))
     return len(examples)
 
