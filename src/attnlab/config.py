@@ -78,6 +78,12 @@ def check_types(cls: type, values: dict[str, Any], source: str) -> None:
             _check(expected is None, f"{source}: {name} must be {expected}, got {value!r}")
 
 
+def check_field_types(options: Any, source: str) -> None:
+    """check_types on every field of a dataclass instance (options built from Python, say)."""
+    fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    check_types(type(options), fields, source)
+
+
 _C = TypeVar("_C", bound="_JsonConfig")
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnlab.config import check_types
+from attnlab.config import check_field_types
 from attnlab.errors import AttnlabError
 from attnlab.train.optim import OPTIMIZER_DEFAULTS, SCHEDULES
 
@@ -70,8 +70,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise AttnlabError for an out-of-range or contradictory field."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        check_types(type(self), fields, "train")  # steps=4.5 ran 5 steps and never finished
+        check_field_types(self, "train")  # steps=4.5 ran 5 steps and never finished
         for name, low in (("steps", 1), ("grad_accum", 1), ("log_every", 1)):
             if getattr(self, name) < low:
                 raise AttnlabError(f"train: {name} must be >= {low}, got {getattr(self, name)}")
@@ -127,8 +126,7 @@ class RunOptions:
     def validate(self) -> None:
         """Raise AttnlabError for an impossible run setting."""
         # Typed as the CLI's --config files are checked (a Python caller may pass "3" for 3).
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        check_types(type(self), fields, type(self).__name__)
+        check_field_types(self, type(self).__name__)
         if self.log_every < 1:
             raise AttnlabError(f"--log-every must be at least 1, got {self.log_every}")
         if self.keep_last < 0:
