@@ -7,8 +7,8 @@ one long "word" that the merges cut into subwords: no word segmenter is needed. 
 "▁" back into spaces, so ``decode(encode(text))`` gives the text back exactly, spaces and
 Chinese full-width punctuation included: the detokenized output is what sacreBLEU compares
 with the references. (NFKC, used before 2026-12-02, folded ，！？ into ,!? and … into ...,
-which no reference does: a Chinese output that matched its reference token for token scored
-about 60 BLEU. A tokenizer saved with NFKC keeps it, as its vocabulary was learnt on it.)
+which no reference does, so every such token of a Chinese output counted as a miss. A
+tokenizer saved with NFKC keeps it, as its vocabulary was learnt on it.)
 The round trip holds for text whose characters the vocabulary has seen (others become
 ``<unk>``, which decoding drops: there is no byte fallback), without leading whitespace (a
 first "▁" is dropped) and without tabs or a literal "▁" (both read as spaces).
