@@ -164,8 +164,29 @@ def test_squad_metrics_scores_answers_not_in_context():
 
 
 def test_chinese_segmentation_is_per_character_with_words_kept():
-    assert segment_chinese("北京，iPhone 手机!") == ["北", "京", "iphone", "手", "机"]
-    assert segment_chinese("ω-force") == ["ω", "force"]
+    # The official CMRC 2018 script's tokens: its marks dropped (ASCII "!" is not one of them),
+    # NLTK words between Chinese characters, a dropped mark not ending a word.
+    assert segment_chinese("北京，iPhone 手机!") == ["北", "京", "iphone", "手", "机", "!"]
+    assert segment_chinese("ω-force") == ["ωforce"]
+    assert segment_chinese("0.37美元") == ["0.37", "美", "元"]
+    assert segment_chinese("don't") == ["do", "n't"]
+
+
+@pytest.mark.parametrize(
+    ("prediction", "gold", "exact", "f1"),
+    [
+        # (EM, F1) from a Python 3 port of ymcui/cmrc2018's cmrc2018_evaluate.py
+        ("3.5%", "35%", 0.0, 0.5),  # "." and "%" are not among its marks
+        ("(北京)", "北京", 0.0, 2 / 3),  # nor are ASCII brackets
+        ("北京…", "北京", 0.0, 0.8),  # nor a lone "…"
+        ("A-B型", "AB型", 1.0, 1.0),  # "-" is, and leaves the word "ab"
+        ("don't", "do not", 0.0, 0.5),  # Treebank words: do n't / do not
+        ("（北京）～", "北京", 1.0, 1.0),  # full-width brackets and tilde are marks
+    ],
+)
+def test_cmrc_metrics_follow_the_official_script(prediction, gold, exact, f1):
+    result = squad_metrics({"1": prediction}, [_question("1", gold)], language="zh")
+    assert result == pytest.approx({"exact_match": 100 * exact, "f1": 100 * f1})
 
 
 def test_cmrc_metrics_by_hand():

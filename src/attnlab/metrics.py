@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import re
 import string
-import unicodedata
 import warnings
 from collections import Counter
 from collections.abc import Sequence
@@ -140,8 +139,11 @@ def entity_metrics(true_tags: list[list[str]], pred_tags: list[list[str]]) -> di
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _ENGLISH_PUNCTUATION = frozenset(string.punctuation)
-# CJK Unified Ideographs, the block the CMRC 2018 script splits into single characters.
-_CJK = re.compile(r"[\u4e00-\u9fff]")
+# CMRC 2018's official script (ymcui/cmrc2018, cmrc2018_evaluate.py) drops these marks, one
+# character each; its list also holds "……", which never equals a single character, so a lone
+# "…" is kept there and here. Chinese characters are its range U+4E00-U+9FA5.
+_CMRC_MARKS = frozenset("-:_*^/\\~`+=，。：？！“”；’《》·、「」（）－～『』")
+_CMRC_CHINESE = re.compile(r"[\u4e00-\u9fa5]")
 
 
 def normalize_answer(text: str) -> str:
@@ -150,32 +152,33 @@ def normalize_answer(text: str) -> str:
     return " ".join(_ARTICLES.sub(" ", text).split())
 
 
-def _is_punctuation(char: str) -> bool:
-    """Unicode punctuation (full-width Chinese marks included) or ASCII punctuation."""
-    return char in _ENGLISH_PUNCTUATION or unicodedata.category(char).startswith("P")
-
-
-def _without_punctuation(text: str) -> str:
-    """`text` lowercased and stripped, punctuation removed (what CMRC 2018's EM compares)."""
-    return "".join(char for char in text.lower().strip() if not _is_punctuation(char))
+def _without_marks(text: str) -> str:
+    """`text` lowercased and stripped, CMRC's marks removed (what CMRC 2018's EM compares)."""
+    return "".join(char for char in text.lower().strip() if char not in _CMRC_MARKS)
 
 
 def segment_chinese(text: str) -> list[str]:
-    """CMRC 2018 tokens: lowercased, punctuation dropped, one per CJK character, other runs
-    split on whitespace."""
+    """CMRC 2018's F1 tokens: lowercased, its marks dropped, one per Chinese character, and
+    the runs between them split into words by NLTK's Treebank tokenizer, as the official
+    script does (a dropped mark does not end a run: "A-B" is the word "ab")."""
+    from nltk.tokenize import word_tokenize
+
+    def words(run: list[str]) -> list[str]:
+        # preserve_line: no sentence splitting first, which would need NLTK's punkt data
+        return word_tokenize("".join(run), preserve_line=True) if run else []
+
     tokens: list[str] = []
     run: list[str] = []
-    for char in text.lower():
-        if _is_punctuation(char):
-            char = " "  # a dropped mark still ends a run of non-CJK characters
-        if _CJK.match(char):
-            tokens.extend("".join(run).split())
+    for char in text.lower().strip():
+        if char in _CMRC_MARKS:
+            continue
+        if _CMRC_CHINESE.match(char):
+            tokens.extend(words(run))
             run.clear()
             tokens.append(char)
         else:
             run.append(char)
-    tokens.extend("".join(run).split())
-    return tokens
+    return tokens + words(run)
 
 
 def _english_scores(prediction: str, gold: str) -> tuple[float, float]:
@@ -192,7 +195,7 @@ def _english_scores(prediction: str, gold: str) -> tuple[float, float]:
 
 def _chinese_scores(prediction: str, gold: str) -> tuple[float, float]:
     """(exact match, F1) of one prediction against one gold answer, CMRC 2018 rule."""
-    exact = float(_without_punctuation(prediction) == _without_punctuation(gold))
+    exact = float(_without_marks(prediction) == _without_marks(gold))
     pred_tokens, gold_tokens = segment_chinese(prediction), segment_chinese(gold)
     # CMRC's F1 counts the longest common *contiguous* run of tokens, not a bag overlap.
     matcher = SequenceMatcher(None, pred_tokens, gold_tokens, autojunk=False)
@@ -209,12 +212,11 @@ def squad_metrics(
     """{"exact_match", "f1"} on 0..100, each the best over a question's gold answers.
 
     `language="en"` is the official SQuAD v1.1 script: answers normalised by
-    `normalize_answer`, F1 over the bag of words. `language="zh"` is the CMRC 2018 rule:
-    lowercase, punctuation removed, one token per Chinese character (other runs split on
-    whitespace), EM on the punctuation-free strings and F1 from the longest common run of
-    tokens. (The official CMRC script lists its punctuation marks and splits non-Chinese
-    runs with NLTK; we take Unicode punctuation and whitespace, which differ only on rare
-    mixed-script answers.) A question with no prediction scores 0, as in both scripts.
+    `normalize_answer`, F1 over the bag of words. `language="zh"` is the official CMRC 2018
+    script's rule: lowercase, the script's list of marks removed, EM on what is left, F1 from
+    the longest common run of tokens, a token being one Chinese character or an NLTK word of
+    the text between them (`segment_chinese`). A question with no prediction scores 0, as in
+    both scripts.
     """
     scorers = {"en": _english_scores, "zh": _chinese_scores}
     if language not in scorers:
