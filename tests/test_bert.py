@@ -290,7 +290,8 @@ def test_factorised_embeddings_with_every_position_encoding(position_encoding):
     assert out["mlm_logits"].shape == (4, 100) and torch.isfinite(out["loss"])
     if position_encoding == "rope":
         d_head = config.d_model // config.n_heads
-        assert model.bert.embeddings.positions.inv_freq.shape == (d_head // 2,)
+        cos, _ = model.bert.embeddings.positions.rotary(torch.arange(9))
+        assert cos.shape == (9, d_head)
 
 
 @pytest.mark.parametrize("position_encoding", POSITION_ENCODINGS)

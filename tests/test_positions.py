@@ -27,6 +27,7 @@ from attnlab.nn.positions import (
     RotaryPositions,
     SinusoidalPositions,
     alibi_slopes,
+    alternating_signs,
     build_position_encoding,
     relative_buckets,
     sinusoidal_table,
@@ -128,13 +129,13 @@ def test_normalized_gives_one_position_different_codes_in_different_lengths() ->
     assert out[0, 2, 0].item() == pytest.approx(2 / 4)
     assert out[1, 2, 0].item() == pytest.approx(2 / 9)
     assert out[0, 2, 0] != out[1, 2, 0]
-    # each real sequence spans exactly [0, 1], the same value on every dimension
+    # each real sequence spans exactly [0, 1], the value times +1, -1, +1, ... on the dimensions
     for b, n in enumerate(lengths.tolist()):
         real = out[b, :n]
-        assert real.min().item() == 0.0 and real.max().item() == pytest.approx(1.0)
+        assert real[:, 0].min().item() == 0.0 and real[:, 0].max().item() == pytest.approx(1.0)
         np.testing.assert_allclose(real[:, 0].numpy(), np.arange(n) / (n - 1), atol=1e-7)
-        assert torch.equal(real, real[:, :1].expand_as(real))
-    assert out.min() >= 0 and out.max() <= 1  # padding positions are clamped, not > 1
+        assert torch.equal(real, real[:, :1] * alternating_signs(D_MODEL))
+    assert out[..., 0].min() >= 0 and out[..., 0].max() <= 1  # padding is clamped, not > 1
 
 
 def test_normalized_without_lengths_uses_the_sequence_length() -> None:
@@ -147,8 +148,19 @@ def test_integer_positions_grow_without_bound() -> None:
     out = pe.embed(torch.tensor([0, 1, 2, 99, 100_000]))
     assert out.shape == (5, D_MODEL)
     np.testing.assert_array_equal(out[:, 0].numpy(), [1, 2, 3, 100, 100_001])
-    assert torch.equal(out, out[:, :1].expand_as(out))
+    assert torch.equal(out, out[:, :1] * alternating_signs(D_MODEL))
     assert torch.all(out[1:, 0] > out[:-1, 0])
+
+
+@pytest.mark.parametrize("d_model", [6, 7])
+def test_baselines_add_their_scalar_along_a_direction_of_mean_zero(d_model: int) -> None:
+    # LayerNorm subtracts each vector's mean: a code whose mean is not zero would partly (and a
+    # constant one wholly) vanish at BERT's embedding LayerNorm.
+    signs = alternating_signs(d_model)
+    assert signs.sum().item() == 0 and set(signs.tolist()) <= {-1.0, 0.0, 1.0}
+    assert signs.abs().sum().item() == 2 * (d_model // 2)
+    for pe in (IntegerPositions(d_model), NormalizedPositions(d_model)):
+        assert pe.embed(torch.arange(5)).sum(-1).abs().max().item() == 0
 
 
 # --- T5 relative buckets ----------------------------------------------------------------------
@@ -361,3 +373,79 @@ def test_every_configured_scheme_builds_and_answers_its_hooks(name: str) -> None
         assert bias.shape == (1, n_heads, seq, seq)
     if rot is not None:
         assert rot[0].shape == rot[1].shape == (seq, D_MODEL // n_heads)
+
+
+def _bert_and_seq2seq(position_encoding: str, norm_position: str = "post"):
+    """A tiny BERT encoder and a tiny seq2seq model (pre- or post-LN) with this scheme, eval mode."""
+    from attnlab.config import BertConfig, TransformerConfig
+    from attnlab.models.bert import BertModel
+    from attnlab.models.seq2seq import Transformer
+
+    torch.manual_seed(0)
+    bert = BertModel(
+        BertConfig(
+            vocab_size=50,
+            d_model=32,
+            n_layers=2,
+            n_heads=4,
+            d_ff=64,
+            max_positions=32,
+            position_encoding=position_encoding,
+            norm_position=norm_position,
+        )
+    )
+    seq2seq = Transformer(
+        TransformerConfig(
+            src_vocab_size=40,
+            tgt_vocab_size=40,
+            d_model=32,
+            n_heads=4,
+            d_ff=64,
+            n_encoder_layers=2,
+            n_decoder_layers=2,
+            max_positions=32,
+            position_encoding=position_encoding,
+            norm_position=norm_position,
+        )
+    )
+    return bert.eval(), seq2seq.eval()
+
+
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+@pytest.mark.parametrize("name", POSITION_ENCODINGS)
+def test_every_scheme_but_none_tells_the_model_where_a_token_is(name, norm_position):
+    # Self-attention is order-blind: without position, permuting the tokens only permutes the
+    # outputs. Every scheme must break that inside a whole model, where a LayerNorm reads the
+    # embeddings first (BERT; pre-LN layers); a scalar added to every dimension alike would be
+    # removed by LayerNorm's mean subtraction, leaving the model as blind as "none".
+    bert, seq2seq = _bert_and_seq2seq(name, norm_position)
+    ids = torch.randint(1, 40, (2, 12))
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for param in [*bert.parameters(), *seq2seq.parameters()]:
+            if param.dim() > 1:  # weights large enough that attention scores are not ~0
+                param.normal_(std=0.3)
+        out = bert(ids).last_hidden_state
+        moved = (bert(ids[:, order]).last_hidden_state - out[:, order]).abs().max().item()
+        memory = seq2seq.encode(ids)
+        moved_s2s = (seq2seq.encode(ids[:, order]) - memory[:, order]).abs().max().item()
+    if name == "none":
+        assert moved < 1e-5 and moved_s2s < 1e-5
+    else:
+        assert moved > 1e-2 and moved_s2s > 1e-2
+
+
+@pytest.mark.parametrize("name", POSITION_ENCODINGS)
+def test_every_scheme_runs_in_a_model_cast_to_bf16(name):
+    # model.to(torch.bfloat16) casts buffers too: position codes, rotations and biases must
+    # follow the model's dtype (not mix float32 into bf16 products) and stay close to float32.
+    bert, seq2seq = _bert_and_seq2seq(name)
+    ids = torch.randint(1, 40, (2, 12))
+    with torch.no_grad():
+        want = bert(ids).last_hidden_state
+        got = bert.to(torch.bfloat16)(ids).last_hidden_state
+        want_s2s = seq2seq(ids, ids[:, :7])["logits"]
+        got_s2s = seq2seq.to(torch.bfloat16)(ids, ids[:, :7])["logits"]
+    assert got.dtype == torch.bfloat16 and got_s2s.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() < 0.1 * want.abs().max()
+    assert (got_s2s.float() - want_s2s).abs().max() < 0.1 * want_s2s.abs().max() + 0.05

@@ -190,7 +190,7 @@ def rotate_half(x: Tensor) -> Tensor:
 
 def apply_rotary(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
     """Rotate (batch, heads, seq, d_head) by the per-position angles in rope=(cos, sin) of (seq, d_head)."""
-    cos, sin = rope
+    cos, sin = (part.to(x.dtype) for part in rope)
     return x * cos + rotate_half(x) * sin
 
 

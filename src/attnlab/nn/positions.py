@@ -6,10 +6,18 @@ Self-attention is order-blind, so position must enter somewhere. The schemes dif
   PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...)), ``learned`` (BERT), and
   the two teaching baselines the design notes reject: ``normalized`` (pos / (length - 1) in
   [0, 1], so one position gets a different code in sentences of different length) and
-  ``integer`` (1, 2, ..., n, whose magnitude swamps the token embedding in long sentences);
+  ``integer`` (1, 2, ..., n, whose magnitude swamps the token embedding in long sentences),
+  each a scalar added as (+x, -x, +x, ...) so that a LayerNorm cannot subtract it away;
 - added to the attention scores: ``relative_bias`` (T5, Raffel et al. 2020: a learned scalar
-  per head and log-spaced distance bucket) and ``alibi`` (Press et al. 2022: -slope_h * |i - j|);
+  per head and log-spaced distance bucket) and ``alibi`` (Press et al. 2022: -slope_h * |i - j|;
+  the paper's decoder sees only j <= i, where this is its -slope_h * (i - j); an encoder gets
+  the symmetric form its authors suggest for bidirectional models, which tells a key's distance
+  but not its side, so ALiBi alone leaves an encoder unable to tell a sentence from its mirror
+  image);
 - rotating queries and keys: ``rope`` (Su et al. 2021), so q_m . k_n depends on n - m only.
+  Dimension i is paired with i + d_head/2 ("rotate half", as GPT-NeoX and HF's Llama), not
+  with its neighbour as in the paper's equation (RoFormer): the same rotation with the head's
+  dimensions in another order.
 
 A model asks each hook once per forward pass; a hook that does not apply returns None.
 """
@@ -90,8 +98,23 @@ class LearnedPositions(PositionEncoding):
         return self.weight[positions]
 
 
+def alternating_signs(d_model: int) -> Tensor:
+    """(+1, -1, +1, ...) of length d_model, its last entry 0 when d_model is odd: mean exactly 0.
+
+    The teaching baselines add their scalar along this direction, not to every dimension
+    alike: LayerNorm subtracts each vector's mean, so a scalar added to every dimension would
+    vanish at BERT's embedding LayerNorm (and in pre-LN layers) and the model would see no
+    position at all.
+    """
+    signs = torch.ones(d_model)
+    signs[1::2] = -1.0
+    if d_model % 2:
+        signs[-1] = 0.0
+    return signs
+
+
 class NormalizedPositions(PositionEncoding):
-    """Teaching baseline: the scalar pos / (length - 1), added to every dimension.
+    """Teaching baseline: the scalar pos / (length - 1), added with alternating sign (+x, -x, ...).
 
     A position's code depends on the sentence's length, so it changes as a decoder's output
     grows: cached decoding, which keeps earlier positions' keys, then differs from recomputing
@@ -100,29 +123,29 @@ class NormalizedPositions(PositionEncoding):
 
     def __init__(self, d_model: int) -> None:
         super().__init__()
-        self.d_model = d_model
+        self.register_buffer("signs", alternating_signs(d_model), persistent=False)
 
     def embed(self, positions: Tensor, lengths: Tensor | None = None) -> Tensor:
-        """pos / (length - 1) in every dimension: (seq,) -> (batch, seq, d_model)."""
+        """pos / (length - 1) times alternating_signs: (seq,) -> (batch, seq, d_model)."""
         pos = positions.float()
         if lengths is None:
             lengths = torch.full((1,), positions.shape[-1], device=positions.device)
         denom = (lengths.float() - 1).clamp(min=1).unsqueeze(-1)  # (batch, 1)
         value = (pos / denom).clamp(max=1.0)  # (batch, seq)
-        return value.unsqueeze(-1).expand(*value.shape, self.d_model)
+        return value.to(self.signs.dtype).unsqueeze(-1) * self.signs
 
 
 class IntegerPositions(PositionEncoding):
-    """Teaching baseline: the raw position number 1..n, added to every dimension."""
+    """Teaching baseline: the raw position number 1..n, added with alternating sign (+n, -n, ...)."""
 
     def __init__(self, d_model: int) -> None:
         super().__init__()
-        self.d_model = d_model
+        self.register_buffer("signs", alternating_signs(d_model), persistent=False)
 
     def embed(self, positions: Tensor, lengths: Tensor | None = None) -> Tensor:
-        """pos + 1 in every dimension: (seq,) -> (seq, d_model)."""
+        """(pos + 1) times alternating_signs: (seq,) -> (seq, d_model)."""
         value = positions.float() + 1
-        return value.unsqueeze(-1).expand(*value.shape, self.d_model)
+        return value.to(self.signs.dtype).unsqueeze(-1) * self.signs
 
 
 def relative_buckets(
@@ -198,12 +221,18 @@ class RotaryPositions(PositionEncoding):
 
     def __init__(self, d_head: int, base: float = 10000.0) -> None:
         super().__init__()
-        inv_freq = base ** (-torch.arange(0, d_head, 2, dtype=torch.float32) / d_head)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.d_head, self.base = d_head, base
 
     def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """(cos, sin), each (seq, d_head), of the angles pos * base^(-2i/d_head)."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]  # (seq, d_head / 2)
+        """(cos, sin), each (seq, d_head), of the angles pos * base^(-2i/d_head), in float32.
+
+        The frequencies are made here, in float32, rather than kept in a buffer that
+        ``model.to(torch.bfloat16)`` would round (bf16 angles drift by whole turns at long
+        positions); ``apply_rotary`` casts cos and sin to the queries' dtype.
+        """
+        exponents = torch.arange(0, self.d_head, 2, dtype=torch.float32, device=positions.device)
+        inv_freq = self.base ** (-exponents / self.d_head)  # (d_head / 2,)
+        angles = positions.float()[:, None] * inv_freq[None, :]  # (seq, d_head / 2)
         angles = torch.cat((angles, angles), dim=-1)  # pairs (i, i + d/2), see rotate_half
         return angles.cos(), angles.sin()
 
