@@ -101,7 +101,8 @@ def test_student_takes_every_other_teacher_layer_as_a_copy():
 
 def test_student_from_a_preset():
     narrow = _teacher(d_model=64)
-    student = student_from_teacher(narrow, preset="bert-tiny")  # 128 wide: nothing copied
+    student = student_from_teacher(narrow, preset="bert-tiny")  # 128 wide: only the vocab bias
+    assert torch.equal(student.mlm.bias, narrow.mlm.bias)
     assert (student.config.n_layers, student.config.d_model) == (2, 128)
     assert student.config.vocab_size == narrow.config.vocab_size
     assert student.config.max_positions == narrow.config.max_positions
@@ -111,6 +112,40 @@ def test_student_from_a_preset():
         assert torch.equal(tensor, wide.bert.embeddings.state_dict()[name]), name
     assert torch.equal(student.mlm.dense.weight, wide.mlm.dense.weight)
     assert student.mlm.dense.weight.data_ptr() != wide.mlm.dense.weight.data_ptr()
+
+
+def test_student_from_a_preset_keeps_the_teachers_position_settings():
+    # A preset gives sizes; how positions are encoded is the teacher's (bucket count, distance,
+    # RoPE base), and a table whose head count differs is left fresh without blocking the rest.
+    def teacher(**positions) -> BertForPreTraining:
+        config = BertConfig(
+            vocab_size=300,
+            d_model=128,
+            n_layers=2,
+            n_heads=4,
+            d_ff=256,
+            max_positions=64,
+            **positions,
+        )
+        return BertForPreTraining(config, sentence_head=False)
+
+    relative = dict(
+        position_encoding="relative_bias", relative_buckets=16, relative_max_distance=40
+    )
+    source = teacher(**relative)
+    student = student_from_teacher(source, preset="bert-tiny")  # 128 wide, 2 heads
+    config = student.config
+    assert (config.relative_buckets, config.relative_max_distance, config.n_heads) == (16, 40, 2)
+    table = "positions.bias.weight"  # (buckets, heads): 4 heads in the teacher, 2 here
+    assert student.bert.embeddings.state_dict()[table].shape == (16, 2)
+    for name, tensor in student.bert.embeddings.state_dict().items():
+        if name != table:
+            assert torch.equal(tensor, source.bert.embeddings.state_dict()[name]), name
+    assert torch.equal(student.mlm.dense.weight, source.mlm.dense.weight)
+    rope = student_from_teacher(
+        teacher(position_encoding="rope", rope_base=500.0), preset="bert-tiny"
+    )
+    assert rope.config.rope_base == 500.0
 
 
 @pytest.mark.parametrize(

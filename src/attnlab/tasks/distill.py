@@ -64,8 +64,9 @@ def student_from_teacher(
 
     With n_layers every weight is copied from the teacher: the embeddings, the MLM head and,
     for student layer i, teacher layer ``teacher_layer(i, ...)`` (2i for half the depth).
-    With preset the model is fresh apart from the embeddings and MLM head, which are copied
-    when their shapes match the teacher's (same width). Copies, never shared tensors.
+    With preset the model is fresh apart from the embeddings and MLM head, each tensor copied
+    when its shape matches the teacher's (same width; a relative-bias table also needs the
+    same number of heads). Copies, never shared tensors.
     """
     if (n_layers is None) == (preset is None):
         raise AttnlabError("give exactly one of --student-layers and --student-preset")
@@ -86,6 +87,9 @@ def student_from_teacher(
             type_vocab_size=base.type_vocab_size,
             max_positions=base.max_positions,
             position_encoding=base.position_encoding,
+            relative_buckets=base.relative_buckets,
+            relative_max_distance=base.relative_max_distance,
+            rope_base=base.rope_base,
             activation=base.activation,
             norm_position=base.norm_position,
             layer_norm_eps=base.layer_norm_eps,
@@ -102,8 +106,11 @@ def student_from_teacher(
             index, rest = match.groups()
             picked = teacher_layer(int(index), n_student, n_teacher)
             chosen[name] = source[f"bert.encoder.layers.{picked}.{rest}"]
-    if all(tensor.shape == target[name].shape for name, tensor in chosen.items()):
-        student.load_state_dict(chosen, strict=False)  # copy_ into the student's own tensors
+    # Every tensor whose shape fits is copied: all of them with n_layers; with a preset of
+    # the teacher's width the embeddings and MLM head (a relative-bias table only if the head
+    # count is the same too); with another width nothing but the vocabulary bias.
+    fits = {name: tensor for name, tensor in chosen.items() if tensor.shape == target[name].shape}
+    student.load_state_dict(fits, strict=False)  # copy_ into the student's own tensors
     return student.train()
 
 
