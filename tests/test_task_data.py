@@ -67,6 +67,19 @@ def test_read_csv_with_quoted_fields_counts_lines(tmp_path, gz):
     ]
 
 
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [("cr.tsv", "text\tlabel\rhi\t1\ryo\t0\r"), ("cr.csv", "text,label\nhi\rthere,1\n")],
+)
+def test_a_bare_carriage_return_is_named(tmp_path, name, text):
+    # csv's own words ("new-line character seen in unquoted field - do you need to open the
+    # file in universal-newline mode?") name a setting the user cannot reach
+    path = tmp_path / name
+    path.write_bytes(text.encode())
+    with pytest.raises(AttnlabError, match=r"line [12]: a carriage return \(CR\) outside a quoted"):
+        read_table(path)
+
+
 @pytest.mark.parametrize("line", ["[" * 100_000, '{"text": "a", "label": ' + "9" * 5000 + "}"])
 def test_read_jsonl_too_deep_or_too_long_a_number_is_named(tmp_path, line):
     # were a RecursionError and a ValueError traceback

@@ -184,6 +184,11 @@ def _delimited_rows(
                 )
             yield first_line, dict(zip(header, row, strict=True))
     except csv.Error as error:
+        if "new-line character" in str(error):  # csv's words for a bare carriage return
+            raise AttnlabError(
+                f"{path}, line {reader.line_num}: a carriage return (CR) outside a quoted field: "
+                "the file has old Mac line ends or a stray CR; save it with LF or CRLF line ends"
+            ) from error
         raise AttnlabError(f"{path}, line {reader.line_num}: {error}") from error
 
 
