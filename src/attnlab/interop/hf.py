@@ -83,12 +83,21 @@ def config_from_hf(data: dict[str, Any], source: str = "config.json") -> BertCon
     fields.setdefault("d_ff", 4 * fields["d_model"])
     act = data.get("hidden_act", "gelu")
     if not isinstance(act, str) or act not in HF_ACTIVATIONS:
-        raise AttnlabError(f"{source}: unsupported hidden_act {act!r}")
+        raise AttnlabError(
+            f"{source}: unsupported hidden_act {act!r} (supported: {', '.join(HF_ACTIVATIONS)})"
+        )
     fields["activation"] = HF_ACTIVATIONS[act]
     pos_type = data.get("position_embedding_type", "absolute")
     if pos_type not in ("absolute", None):
         raise AttnlabError(f"{source}: position_embedding_type {pos_type!r} is not supported")
     fields["position_encoding"] = "learned"
+    # HF's BERT turns into a causal decoder (and adds cross-attention layers) with these set;
+    # attnlab's BERT is bidirectional, so such a model would run with another mask.
+    for flag in ("is_decoder", "add_cross_attention"):
+        if data.get(flag):
+            raise AttnlabError(
+                f"{source}: {flag} is true (a BERT decoder): attnlab loads BERT encoders only"
+            )
     extra = data.get("attnlab", {})
     if not isinstance(extra, dict):
         raise AttnlabError(f"{source}: 'attnlab' must be an object")
@@ -119,7 +128,9 @@ def config_to_hf(config: BertConfig, architecture: str = "BertForPreTraining") -
     data: dict[str, Any] = {"architectures": [architecture], "model_type": model_type}
     for ours, theirs in HF_FIELDS.items():
         data[theirs] = getattr(config, ours)
-    data["hidden_act"] = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}[
+    # gelu_tanh is torch's F.gelu(approximate="tanh"), which HF calls gelu_pytorch_tanh; its
+    # gelu_new is the same formula written out, equal only to within rounding.
+    data["hidden_act"] = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}[
         config.activation
     ]
     data["position_embedding_type"] = "absolute"

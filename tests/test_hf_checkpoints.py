@@ -1,0 +1,141 @@
+"""HF checkpoint variants found on the hub: each loads with HF transformers' outputs, or is refused.
+
+Every checkpoint here is written by transformers' own save_pretrained (then edited where a
+variant needs it), and the reference is transformers run on the same folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from attnlab.errors import AttnlabError
+from attnlab.interop.hf import (
+    load_bert,
+    save_bert,
+)
+
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _quiet(one_thread):
+    transformers.logging.set_verbosity_error()
+
+
+def hf_config(**fields) -> transformers.BertConfig:
+    """A tiny BERT config (fields override it)."""
+    base = dict(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=40,
+    )
+    return transformers.BertConfig(**{**base, **fields})
+
+
+def randomized(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """model in eval mode with every parameter random (a default LayerNorm hides mistakes)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2 + name.endswith("LayerNorm.weight"))
+    return model.eval()
+
+
+def saved(model: torch.nn.Module, folder: Path, **kwargs) -> Path:
+    model.save_pretrained(str(folder), **kwargs)
+    return folder
+
+
+def edit_config(folder: Path, **changes) -> None:
+    path = folder / "config.json"
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+
+
+def edit_weights(folder: Path, edit) -> None:
+    path = folder / "model.safetensors"
+    state = load_file(str(path))
+    edit(state)
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def batch() -> dict[str, torch.Tensor]:
+    """Three sequences of ids with padding and a second segment."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, 99, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 8:], mask[2, 5:] = 0, 0
+    types = torch.zeros_like(ids)
+    types[:, 6:] = 1
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    diff = (a - b).abs()
+    return float((diff[mask.bool()] if mask is not None else diff).max())
+
+
+def mlm_logits(model, inputs):
+    with torch.no_grad():
+        return model(*inputs.values())["mlm_logits"]
+
+
+def hf_mlm_logits(folder: Path, inputs):
+    hf = transformers.BertForPreTraining.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        return hf(**inputs).prediction_logits
+
+
+# ---- config.json --------------------------------------------------------------------------
+
+
+def test_gelu_tanh_is_exported_as_gelu_pytorch_tanh(tmp_path):
+    source = saved(
+        randomized(transformers.BertModel(hf_config(hidden_act="gelu_pytorch_tanh"))),
+        tmp_path / "src",
+    )
+    save_bert(load_bert(source), tmp_path / "out")
+    # HF's gelu_new is the tanh formula written out: equal to torch's only within rounding.
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["hidden_act"] == (
+        "gelu_pytorch_tanh"
+    )
+    inputs = batch()
+    with torch.no_grad():
+        ours = load_bert(tmp_path / "out")(*inputs.values()).last_hidden_state
+        hf = transformers.BertModel.from_pretrained(str(tmp_path / "out")).eval()
+        theirs = hf(**inputs).last_hidden_state
+    assert max_diff(ours, theirs, inputs["attention_mask"]) < TOL
+
+
+def test_unsupported_activation_lists_the_supported_ones(tmp_path):
+    source = saved(transformers.BertModel(hf_config(hidden_act="silu")), tmp_path / "silu")
+    with pytest.raises(AttnlabError, match=r"hidden_act 'silu' \(supported: gelu, gelu_new, "):
+        load_bert(source)
+
+
+@pytest.mark.parametrize(
+    "flags", [{"is_decoder": True}, {"is_decoder": True, "add_cross_attention": True}]
+)
+def test_bert_decoders_are_refused(flags, tmp_path):
+    # HF runs these with a causal mask (and cross-attention layers): not an encoder.
+    folder = saved(transformers.BertModel(hf_config(**flags)), tmp_path / "decoder")
+    with pytest.raises(AttnlabError, match=r"is_decoder is true .*BERT encoders only"):
+        load_bert(folder)
+    edit_config(folder, is_decoder=False)
+    if "add_cross_attention" in flags:
+        with pytest.raises(AttnlabError, match="add_cross_attention is true"):
+            load_bert(folder)
