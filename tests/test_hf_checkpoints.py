@@ -139,3 +139,66 @@ def test_bert_decoders_are_refused(flags, tmp_path):
     if "add_cross_attention" in flags:
         with pytest.raises(AttnlabError, match="add_cross_attention is true"):
             load_bert(folder)
+
+
+# ---- the masked-LM head ---------------------------------------------------------------------
+
+
+def test_untied_mlm_decoder_is_refused_but_its_encoder_loads(tmp_path):
+    hf = randomized(transformers.BertForMaskedLM(hf_config(tie_word_embeddings=False)))
+    assert hf.cls.predictions.decoder.weight is not hf.bert.embeddings.word_embeddings.weight
+    folder = saved(hf, tmp_path / "untied")
+    with pytest.raises(AttnlabError, match="decoder not tied to the word embeddings"):
+        load_bert(folder, heads=True, trained_heads=True)
+    with pytest.raises(AttnlabError, match="decoder not tied"):
+        load_bert(folder, heads=True)
+    inputs = batch()
+    with torch.no_grad():
+        ours = load_bert(folder)(*inputs.values()).last_hidden_state
+        theirs = transformers.BertModel.from_pretrained(str(folder)).eval()(**inputs)
+    assert max_diff(ours, theirs.last_hidden_state, inputs["attention_mask"]) < TOL
+
+
+@pytest.mark.parametrize("variant", ["own decoder weight", "two biases"])
+def test_mlm_decoder_tensors_other_than_the_tied_ones_are_refused(variant, tmp_path):
+    # config.json says tied, but the weights hold a decoder of their own, which HF then uses.
+    folder = saved(randomized(transformers.BertForPreTraining(hf_config())), tmp_path / "ck")
+    g = torch.Generator().manual_seed(7)
+
+    def edit(state):
+        if variant == "own decoder weight":
+            shape = state["bert.embeddings.word_embeddings.weight"].shape
+            state["cls.predictions.decoder.weight"] = torch.randn(shape, generator=g)
+        else:
+            state["cls.predictions.decoder.bias"] = torch.randn(99, generator=g)
+
+    edit_weights(folder, edit)
+    inputs = batch()
+    assert (
+        max_diff(
+            load_bert(folder)(*inputs.values()).last_hidden_state,
+            transformers.BertModel.from_pretrained(str(folder)).eval()(**inputs).last_hidden_state,
+            inputs["attention_mask"],
+        )
+        < TOL
+    )
+    with pytest.raises(AttnlabError, match=r"decoder not tied|two different masked-LM"):
+        load_bert(folder, heads=True, trained_heads=True)
+
+
+def test_mlm_decoder_tensors_equal_to_the_tied_ones_load(tmp_path):
+    def bias_only(state):  # some conversions name the one bias after the decoder
+        state["cls.predictions.decoder.bias"] = state.pop("cls.predictions.bias")
+
+    def equal_copies(state):  # older HF .bin files store the tied tensors twice
+        embeddings = state["bert.embeddings.word_embeddings.weight"]
+        state["cls.predictions.decoder.weight"] = embeddings.clone()
+        state["cls.predictions.decoder.bias"] = state["cls.predictions.bias"].clone()
+
+    inputs = batch()
+    for i, edit in enumerate((bias_only, equal_copies)):
+        hf = randomized(transformers.BertForPreTraining(hf_config()), seed=i)
+        folder = saved(hf, tmp_path / edit.__name__)
+        edit_weights(folder, edit)
+        ours = mlm_logits(load_bert(folder, heads=True, trained_heads=True), inputs)
+        assert max_diff(ours, hf_mlm_logits(folder, inputs), inputs["attention_mask"]) < TOL

@@ -373,11 +373,41 @@ def load_bert(
         model.bert.load_state_dict(encoder.state_dict(), strict=False)
         return model.eval()
     if heads:
+        state = _tied_mlm_head(_normalise_hf_names(state), _read_config_json(path), path)
         model: nn.Module = BertForPreTraining(config, sentence_head=has_sentence_head)
     else:
         model = BertModel(config, add_pooler=has_pooler)
     _load_checked(model, bert_state_from_hf(state, model), path)
     return model.eval()
+
+
+def _tied_mlm_head(hf: dict[str, Tensor], data: dict[str, Any], path: Path) -> dict[str, Tensor]:
+    """hf with the MLM output bias as cls.predictions.bias; a decoder of its own is refused.
+
+    attnlab's MLM decoder is the word embedding matrix (BERT ties them): a checkpoint whose
+    decoder weight or bias is another tensor would give other logits.
+    """
+    weight = hf.get("cls.predictions.decoder.weight")
+    embeddings = hf.get("embeddings.word_embeddings.weight")
+    if not data.get("tie_word_embeddings", True) or (
+        weight is not None and (embeddings is None or not torch.equal(weight, embeddings))
+    ):
+        raise AttnlabError(
+            f"{path} has a masked-LM decoder not tied to the word embeddings "
+            "(tie_word_embeddings false, or a cls.predictions.decoder.weight of its own), which "
+            "attnlab's MLM head cannot hold: load the encoder alone (heads=False)"
+        )
+    bias, decoder_bias = hf.get("cls.predictions.bias"), hf.get("cls.predictions.decoder.bias")
+    if decoder_bias is None:
+        return hf
+    if bias is None:  # some conversions store the one bias under the decoder's name only
+        return {**hf, "cls.predictions.bias": decoder_bias}
+    if not torch.equal(bias, decoder_bias):
+        raise AttnlabError(
+            f"{path} holds two different masked-LM output biases (cls.predictions.bias and "
+            "cls.predictions.decoder.bias; HF uses the second): remove the one not trained"
+        )
+    return hf
 
 
 def all_finite(tensor: Tensor) -> bool:
