@@ -202,3 +202,41 @@ def test_mlm_decoder_tensors_equal_to_the_tied_ones_load(tmp_path):
         edit_weights(folder, edit)
         ours = mlm_logits(load_bert(folder, heads=True, trained_heads=True), inputs)
         assert max_diff(ours, hf_mlm_logits(folder, inputs), inputs["attention_mask"]) < TOL
+
+
+# ---- weight files ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weights", ["safetensors", "bin"])
+def test_sharded_checkpoints_load(weights, tmp_path):
+    hf = randomized(transformers.BertForPreTraining(hf_config()))
+    if weights == "safetensors":
+        folder = saved(hf, tmp_path / "sharded", max_shard_size="20KB")
+    else:  # transformers 5 writes safetensors only: shard a .bin checkpoint as version 4 did
+        folder = tmp_path / "sharded"
+        hf.config.save_pretrained(str(folder))
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+        names = sorted(state)
+        weight_map = {}
+        for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+            shard = f"pytorch_model-0000{i + 1}-of-00002.bin"
+            torch.save({k: state[k] for k in part}, folder / shard)
+            weight_map.update(dict.fromkeys(part, shard))
+        index = {"metadata": {}, "weight_map": weight_map}
+        (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    index = json.loads(next(folder.glob("*.index.json")).read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    inputs = batch()
+    ours = mlm_logits(load_bert(folder, heads=True, trained_heads=True), inputs)
+    assert max_diff(ours, hf_mlm_logits(folder, inputs), inputs["attention_mask"]) < TOL
+
+
+def test_sharded_index_naming_a_file_elsewhere_is_refused(tmp_path):
+    folder = saved(transformers.BertModel(hf_config()), tmp_path / "sharded", max_shard_size="20KB")
+    path = folder / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = "../elsewhere.safetensors"
+    path.write_text(json.dumps(index))
+    with pytest.raises(AttnlabError, match="is not a file name in its directory"):
+        load_bert(folder)

@@ -303,42 +303,108 @@ def check_vocabulary(path: Path, tokenizer_size: int, config: BertConfig) -> Non
         )
 
 
-def read_weights(path: Path) -> dict[str, Tensor]:
-    """The tensors of DIR/model.safetensors, else DIR/pytorch_model.bin (weights_only)."""
-    path = Path(path)
-    st, legacy = path / "model.safetensors", path / "pytorch_model.bin"
+# In HF's order of preference; an index.json names the shards of a large checkpoint.
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The files holding DIR's weights: one of WEIGHT_FILES, or the shards its index names."""
+    file = _weight_file(Path(path))
+    if file.name.endswith(".index.json"):
+        return _shard_files(file, _weight_map(file))
+    return [file]
+
+
+def _weight_file(path: Path) -> Path:
+    for name in WEIGHT_FILES:
+        if (path / name).is_file():
+            return path / name
+    raise AttnlabError(f"no model.safetensors or pytorch_model.bin (or their index.json) in {path}")
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The weight_map (tensor name -> shard file name) of a sharded checkpoint's index.json."""
     try:
-        if st.is_file():
-            return load_file(str(st))
-        if legacy.is_file():
-            with warnings.catch_warnings():  # torch's notes on pickle protocols: not for users
-                warnings.simplefilter("ignore")
-                state = torch.load(str(legacy), map_location="cpu", weights_only=True)
-            if not isinstance(state, dict):
-                raise AttnlabError(f"{legacy}: expected a state dict")
-            odd = next((k for k, v in state.items() if not isinstance(v, Tensor)), None)
-            if odd is not None:
-                raise AttnlabError(f"{legacy}: entry {odd!r} is not a tensor")
-            return state
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as err:
+        raise AttnlabError(f"{index}: not valid JSON ({err})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(v, str) for v in weight_map.values())
+    ):
+        raise AttnlabError(f"{index}: expected a non-empty weight_map of tensor name: shard file")
+    return weight_map
+
+
+def _shard_files(index: Path, weight_map: dict[str, str]) -> list[Path]:
+    """The shard files weight_map names, each once, each a file beside the index."""
+    names = list(dict.fromkeys(weight_map.values()))
+    for name in names:
+        # A name with a folder in it could read a file outside the checkpoint directory.
+        if Path(name).name != name or name in (".", ".."):
+            raise AttnlabError(f"{index}: shard {name!r} is not a file name in its directory")
+        if not (index.parent / name).is_file():
+            raise AttnlabError(f"{index}: shard {name} not found in {index.parent}")
+    return [index.parent / name for name in names]
+
+
+def read_weights(path: Path) -> dict[str, Tensor]:
+    """The tensors of DIR's weights (see WEIGHT_FILES); .bin files are read with weights_only."""
+    file = _weight_file(Path(path))
+    if not file.name.endswith(".index.json"):
+        return _read_weight_file(file)
+    weight_map = _weight_map(file)
+    state: dict[str, Tensor] = {}
+    for shard in _shard_files(file, weight_map):
+        state.update(_read_weight_file(shard))
+    absent = sorted(set(weight_map) - set(state))
+    if absent:  # a shard from another download, say
+        raise AttnlabError(f"{file} names tensors no shard holds: {', '.join(absent[:3])}")
+    return state
+
+
+def _read_weight_file(file: Path) -> dict[str, Tensor]:
+    """The tensors of one .safetensors file, or of a .bin file of plain tensors."""
+    try:
+        if file.suffix == ".safetensors":
+            return load_file(str(file))
+        with warnings.catch_warnings():  # torch's notes on pickle protocols: not for users
+            warnings.simplefilter("ignore")
+            state = torch.load(str(file), map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise AttnlabError(f"{file}: expected a state dict")
+        odd = next((k for k, v in state.items() if not isinstance(v, Tensor)), None)
+        if odd is not None:
+            raise AttnlabError(f"{file}: entry {odd!r} is not a tensor")
+        return state
     except AttnlabError:
         raise
     except pickle.UnpicklingError:  # torch's message suggests weights_only=False: never here
         raise AttnlabError(
-            f"{legacy} is not a file of plain tensors (only weights are loaded, never pickled "
+            f"{file} is not a file of plain tensors (only weights are loaded, never pickled "
             "code): if it comes from a source you trust, convert it to model.safetensors"
         ) from None
     except Exception as err:  # corrupt or truncated file: the libraries raise many types
-        raise AttnlabError(f"cannot read weights in {path}: {str(err).splitlines()[0]}") from None
-    raise AttnlabError(f"no model.safetensors or pytorch_model.bin in {path}")
+        raise AttnlabError(f"cannot read weights in {file}: {str(err).splitlines()[0]}") from None
 
 
 def weight_names(path: Path) -> set[str]:
-    """The tensor names of DIR's weights; from model.safetensors' header alone where it is one."""
-    st = Path(path) / "model.safetensors"
-    if st.is_file():
+    """The tensor names of DIR's weights; from the safetensors headers alone where they are."""
+    files = _weight_files(Path(path))
+    if all(f.suffix == ".safetensors" for f in files):
         try:
-            with safe_open(str(st), "pt") as stored:
-                return set(stored.keys())
+            names: set[str] = set()
+            for file in files:
+                with safe_open(str(file), "pt") as stored:
+                    names.update(stored.keys())
+            return names
         except Exception:  # a damaged file: read_weights below names the problem
             pass
     return set(read_weights(Path(path)))
