@@ -16,8 +16,11 @@ from safetensors.torch import load_file, save_file
 
 from attnlab.errors import AttnlabError
 from attnlab.interop.hf import (
+    checkpoint_task,
     load_bert,
+    load_task_model,
     save_bert,
+    save_task_model,
 )
 
 TOL = 1e-5
@@ -240,3 +243,52 @@ def test_sharded_index_naming_a_file_elsewhere_is_refused(tmp_path):
     path.write_text(json.dumps(index))
     with pytest.raises(AttnlabError, match="is not a file name in its directory"):
         load_bert(folder)
+
+
+# ---- task heads -----------------------------------------------------------------------------
+
+
+def test_multi_label_classifier_is_refused(tmp_path):
+    hf = transformers.BertForSequenceClassification(
+        hf_config(num_labels=3, problem_type="multi_label_classification")
+    )
+    folder = saved(randomized(hf), tmp_path / "multi")
+    # Its loss is a binary cross-entropy per label, not attnlab's softmax cross-entropy.
+    with pytest.raises(AttnlabError, match="problem_type 'multi_label_classification'"):
+        checkpoint_task(folder)
+    with pytest.raises(AttnlabError, match="problem_type 'multi_label_classification'"):
+        load_task_model(folder, "classify")
+    # Its encoder with a new head is what attnlab can train, and saves as single-label.
+    model, fresh = load_task_model(folder, "classify", num_labels=3, new_head=True)
+    assert fresh == ["classifier"]
+    save_task_model(model, tmp_path / "new")
+    again = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "new"))
+    assert again.config.problem_type == "single_label_classification"
+    inputs, labels = batch(), torch.tensor([0, 2, 1])
+    with torch.no_grad():
+        assert (
+            abs(model(**inputs, labels=labels)["loss"] - again(**inputs, labels=labels).loss) < TOL
+        )
+
+
+@pytest.mark.parametrize(
+    "hf_class, task",
+    [
+        ("BertForSequenceClassification", "classify"),
+        ("BertForTokenClassification", "ner"),
+        ("BertForQuestionAnswering", "qa"),
+    ],
+)
+def test_a_trained_head_that_config_does_not_name_is_never_replaced(hf_class, task, tmp_path):
+    hf = getattr(transformers, hf_class)(hf_config(num_labels=2))
+    folder = saved(randomized(hf), tmp_path / "noarch")
+    edit_config(folder, architectures=None)  # as some older exports
+    head = "qa_outputs" if task == "qa" else "classifier"
+    with pytest.raises(AttnlabError, match=f'no "architectures" but .* trained {head} head'):
+        checkpoint_task(folder)
+    with pytest.raises(AttnlabError, match=f'add "architectures": .*"{hf_class}"'):
+        load_task_model(folder, task, num_labels=None if task == "qa" else 2)
+    edit_config(folder, architectures=[hf_class])
+    model, fresh = load_task_model(folder, task)
+    assert fresh == []
+    assert torch.equal(getattr(model, head).weight, getattr(hf, head).weight)

@@ -29,6 +29,7 @@ from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.io import staged_dir, write_text_atomic, write_with_atomic
 from attnlab.models.bert import BertForPreTraining, BertModel, count_parameters
+from attnlab.models.heads import PROBLEM_TYPES
 
 HF_ACTIVATIONS = {
     "gelu": "gelu",
@@ -576,8 +577,13 @@ def _read_config_json(path: Path) -> dict[str, Any]:
 
 
 def checkpoint_task(path: str | Path) -> str | None:
-    """The task a checkpoint's head was trained for (classify/regress/ner/qa), None for an encoder."""
-    data = _read_config_json(Path(path))
+    """The task a checkpoint's head was trained for (classify/regress/ner/qa), None for an encoder.
+
+    A head attnlab cannot run as trained (multi-label), or one config.json does not name, is
+    an error rather than None, so that no trained head is taken for an encoder and replaced.
+    """
+    path = Path(path)
+    data = _read_config_json(path)
     architectures = data.get("architectures") or []
     arch = architectures[0] if isinstance(architectures, list) and architectures else None
     if arch == "BertForTokenClassification":
@@ -588,9 +594,34 @@ def checkpoint_task(path: str | Path) -> str | None:
         # HF infers regression from a single label when problem_type is unset.
         problem = data.get("problem_type")
         if problem is None:
-            problem = "regression" if len(data.get("id2label") or {}) == 1 else "classification"
+            problem = "regression" if len(data.get("id2label") or {}) == 1 else PROBLEM_TYPES[0]
+        if problem not in PROBLEM_TYPES:
+            raise AttnlabError(
+                f"{path}/config.json: problem_type {problem!r} is not supported (attnlab trains "
+                f"{' and '.join(PROBLEM_TYPES)} heads); finetune --new-head (new_head=True) "
+                "trains a new head on its encoder"
+            )
         return "regress" if problem == "regression" else "classify"
+    _refuse_unnamed_head(path, architectures)
     return None
+
+
+def _refuse_unnamed_head(path: Path, architectures: Any) -> None:
+    """Refuse trained head weights that config.json's "architectures" does not name."""
+    names = weight_names(path)
+    if any(name.startswith("qa_outputs.") for name in names):
+        head, fix = "qa_outputs", '["BertForQuestionAnswering"]'
+    elif any(name.startswith("classifier.") for name in names):
+        head = "classifier"
+        fix = '["BertForSequenceClassification"] (["BertForTokenClassification"] for a tagger)'
+    else:
+        return
+    said = f"architectures {architectures}" if architectures else 'no "architectures"'
+    raise AttnlabError(
+        f"{path}/config.json has {said} but its weights hold a trained {head} head: "
+        f'add "architectures": {fix} to config.json (or replace the head: finetune '
+        "--new-head, new_head=True)"
+    )
 
 
 def checkpoint_labels(path: str | Path) -> list[str] | None:
@@ -655,7 +686,7 @@ def load_task_model(
     """
     path = Path(path)
     config = read_config(path)
-    saved = checkpoint_task(path)
+    saved = None if new_head else checkpoint_task(path)
     state = read_weights(path)
     _check_layer_count(state, config.n_layers, path)
     head = _head_state(state, task)

@@ -574,8 +574,8 @@ def initial_model(
     A checkpoint fine-tuned on another task, or on other labels, keeps its head only if
     that head fits: otherwise --new-head is needed, so no head is thrown away by accident.
     """
-    saved = checkpoint_task(opts.model)
-    if saved is not None and not opts.new_head:
+    saved = None if opts.new_head else checkpoint_task(opts.model)
+    if saved is not None:
         if saved != opts.task:
             raise AttnlabError(
                 f"--model {opts.model} is fine-tuned for {saved!r}, not {opts.task!r}: "
