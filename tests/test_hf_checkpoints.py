@@ -292,3 +292,23 @@ def test_a_trained_head_that_config_does_not_name_is_never_replaced(hf_class, ta
     model, fresh = load_task_model(folder, task)
     assert fresh == []
     assert torch.equal(getattr(model, head).weight, getattr(hf, head).weight)
+
+
+@pytest.mark.parametrize("task", ["classify", "ner"])
+def test_classifier_dropout_is_read_and_written(task, tmp_path):
+    hf_class = (
+        "BertForSequenceClassification" if task == "classify" else "BertForTokenClassification"
+    )
+    hf = getattr(transformers, hf_class)(hf_config(num_labels=2, classifier_dropout=0.5))
+    folder = saved(hf, tmp_path / "src")
+    model, _ = load_task_model(folder, task)
+    assert model.dropout.p == hf.dropout.p == 0.5
+    save_task_model(model, tmp_path / "out")
+    again = getattr(transformers, hf_class).from_pretrained(str(tmp_path / "out"))
+    assert again.dropout.p == 0.5
+    assert load_task_model(tmp_path / "out", task)[0].dropout.p == 0.5
+    # Unset, it is the encoder's hidden dropout, in both libraries.
+    edit_config(tmp_path / "out", classifier_dropout=None, hidden_dropout_prob=0.2)
+    model, _ = load_task_model(tmp_path / "out", task)
+    hf = getattr(transformers, hf_class).from_pretrained(str(tmp_path / "out"))
+    assert model.dropout.p == hf.dropout.p == 0.2

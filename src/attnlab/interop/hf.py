@@ -648,8 +648,14 @@ def checkpoint_labels(path: str | Path) -> list[str] | None:
     return [by_id[i] for i in ids]
 
 
-def build_task_model(config: BertConfig, task: str, num_labels: int = 2) -> nn.Module:
-    """A freshly initialised task model (encoder and head) for task."""
+def build_task_model(
+    config: BertConfig, task: str, num_labels: int = 2, classifier_dropout: float | None = None
+) -> nn.Module:
+    """A freshly initialised task model (encoder and head) for task.
+
+    classifier_dropout is HF's config field: the dropout before a classifier (None: the
+    encoder's hidden dropout); HF's question-answering head has none.
+    """
     from attnlab.models.heads import (
         BertForQuestionAnswering,
         BertForSequenceClassification,
@@ -657,11 +663,15 @@ def build_task_model(config: BertConfig, task: str, num_labels: int = 2) -> nn.M
     )
 
     if task == "classify":
-        return BertForSequenceClassification(config, num_labels)
+        return BertForSequenceClassification(
+            config, num_labels, classifier_dropout=classifier_dropout
+        )
     if task == "regress":
-        return BertForSequenceClassification(config, 1, problem_type="regression")
+        return BertForSequenceClassification(
+            config, 1, problem_type="regression", classifier_dropout=classifier_dropout
+        )
     if task == "ner":
-        return BertForTokenClassification(config, num_labels)
+        return BertForTokenClassification(config, num_labels, classifier_dropout)
     if task == "qa":
         return BertForQuestionAnswering(config)
     raise AttnlabError(f"unknown task {task!r} (choose from {', '.join(TASK_ARCHITECTURES)})")
@@ -700,7 +710,8 @@ def load_task_model(
         if not keep_head and task in ("classify", "ner"):
             raise AttnlabError(f"{path} has no {task} head: the number of labels is unknown")
         num_labels = head["weight"].shape[0] if keep_head and task != "qa" else 1
-    model = build_task_model(config, task, num_labels)
+    dropout = _classifier_dropout(_read_config_json(path), path)
+    model = build_task_model(config, task, num_labels, dropout)
     if keep_head and head["weight"].shape[0] != model.state_dict()[_head_key(task)].shape[0]:
         raise AttnlabError(
             f"the head in {path} has {head['weight'].shape[0]} outputs, this task needs "
@@ -719,6 +730,19 @@ def load_task_model(
     else:
         fresh.append(_head_key(task).split(".")[0])
     return model.eval(), fresh
+
+
+def _classifier_dropout(data: dict[str, Any], path: Path) -> float | None:
+    """config.json's classifier_dropout: None, or a probability below 1."""
+    value = data.get("classifier_dropout")
+    if value is not None and (
+        not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1
+    ):
+        raise AttnlabError(
+            f"{path}/config.json: classifier_dropout must be null or a number in [0, 1), "
+            f"got {value!r}"
+        )
+    return value
 
 
 def _head_key(task: str) -> str:
@@ -759,6 +783,7 @@ def save_task_model(
         data["label2id"] = {name: i for i, name in enumerate(names)}
     if isinstance(model, BertForSequenceClassification):
         data["problem_type"] = model.problem_type
+    data["classifier_dropout"] = getattr(model, "classifier_dropout", None)
     with staged_dir(Path(out), overwrite) as stage:
         write_text_atomic(stage / "config.json", json.dumps(data, indent=2, ensure_ascii=False))
         state = task_state_to_hf(model)

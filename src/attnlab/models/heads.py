@@ -63,6 +63,7 @@ class BertForSequenceClassification(nn.Module):
         self.config = config
         self.num_labels = num_labels
         self.problem_type = problem_type
+        self.classifier_dropout = classifier_dropout  # HF's config field, saved with the model
         self.bert = BertModel(config, add_pooler=True)
         self.dropout = Dropout(_dropout(config, classifier_dropout))
         self.classifier = Linear(config.d_model, num_labels)
@@ -104,6 +105,7 @@ class BertForTokenClassification(nn.Module):
             raise AttnlabError(f"num_labels must be >= 1, got {num_labels}")
         self.config = config
         self.num_labels = num_labels
+        self.classifier_dropout = classifier_dropout
         self.bert = BertModel(config, add_pooler=False)
         self.dropout = Dropout(_dropout(config, classifier_dropout))
         self.classifier = Linear(config.d_model, num_labels)
