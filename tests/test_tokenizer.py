@@ -406,6 +406,90 @@ def test_from_dir_without_vocab_raises(tmp_path):
         BertTokenizer.from_dir(tmp_path / "missing")
 
 
+def checkpoint_dir(folder: Path, files: dict[str, object], vocab: Path = VOCAB_TXT) -> Path:
+    """A vocab.txt checkpoint directory (no tokenizer.json) with the given JSON files."""
+    folder.mkdir()
+    shutil.copy(vocab, folder / "vocab.txt")
+    files = {"config.json": {"model_type": "bert"}, **files}
+    for name, data in files.items():
+        (folder / name).write_text(json.dumps(data), encoding="utf-8")
+    return folder
+
+
+def added_token(content: str, special: bool, **flags) -> dict:
+    """An entry of tokenizer_config.json's added_tokens_decoder, as transformers writes it."""
+    entry = {"content": content, "special": special, "normalized": not special}
+    return {**entry, "lstrip": False, "rstrip": False, "single_word": False, **flags}
+
+
+SPECIAL_ENTRIES = {
+    str(i): added_token(token, True)
+    for token, i in (("[PAD]", 0), ("[UNK]", 100), ("[CLS]", 101), ("[SEP]", 102), ("[MASK]", 103))
+}
+ADDED_TEXTS = [
+    "patients with covid19 <e1> Paris </e1>",
+    "COVID19 <E1> x<e1>y covid19covid19 [MASK] [unused0]",
+    "  <e1>  CoViD19  ",
+]
+ADDED_LAYOUTS = {
+    # transformers' legacy file: token -> id
+    "added_tokens.json": {"added_tokens.json": {"<e1>": 30522, "covid19": 30523}},
+    # transformers >= 4.34 records them in tokenizer_config.json, flags included
+    "added_tokens_decoder": {
+        "tokenizer_config.json": {
+            "added_tokens_decoder": {
+                **SPECIAL_ENTRIES,
+                "1": added_token("[unused0]", True),
+                "30522": added_token("<e1>", True, lstrip=True, rstrip=True),
+                "30523": added_token("covid19", False, single_word=True),
+                "30524": added_token("CoViD19", False, normalized=False),
+            }
+        }
+    },
+}
+
+
+@pytest.mark.parametrize("layout", sorted(ADDED_LAYOUTS))
+def test_from_dir_reads_added_tokens_beside_vocab_txt(layout, tmp_path):
+    folder = checkpoint_dir(tmp_path / "ck", ADDED_LAYOUTS[layout])
+    ours = BertTokenizer.from_dir(folder)
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert ours.vocab_size == len(hf) > CHECKPOINT_VOCAB_SIZE
+    texts = ADDED_TEXTS + LINES[::40]
+    ids, type_ids = hf_encode(hf, texts)
+    assert_same(ours.encode_batch(texts), ids, type_ids, texts)
+    firsts, seconds = ADDED_TEXTS, ADDED_TEXTS[::-1]
+    ids, type_ids = hf_encode(hf, firsts, seconds)
+    assert_same(
+        ours.encode_batch(firsts, seconds), ids, type_ids, list(zip(firsts, seconds, strict=True))
+    )
+    for text in ADDED_TEXTS:
+        encoded = ours.encode(text).ids
+        assert ours.decode(encoded) == hf.decode(encoded, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize(
+    "recorded, fragment",
+    [
+        (
+            {"<e1>": 30530, "covid19": 30523},
+            "'covid19' is recorded with id 30523 but takes id 30522",
+        ),
+        ({"<e1>": 5}, "'<e1>' is recorded with id 5 but takes id 30522"),
+        ({"hello": 30522}, "'hello' is recorded with id 30522 but takes id 7592"),
+    ],
+)
+def test_added_tokens_whose_ids_transformers_would_not_give_are_refused(
+    recorded, fragment, tmp_path
+):
+    # transformers gives them the ids after the vocabulary in order, whatever is recorded
+    folder = checkpoint_dir(tmp_path / "ck", {"added_tokens.json": recorded})
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert any(hf.convert_tokens_to_ids(token) != i for token, i in recorded.items())
+    with pytest.raises(AttnlabError, match=fragment):
+        BertTokenizer.from_dir(folder)
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_save_round_trip(tmp_path, name):
     tokenizer = BertTokenizer.from_vocab(VOCAB_TXT, **CONFIGS[name], max_length=128)

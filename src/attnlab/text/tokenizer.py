@@ -35,6 +35,7 @@ from attnlab.io import check_input_file, write_text_atomic
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 # The order also fixes the ids of a newly trained vocabulary: [PAD]=0 ... [MASK]=4.
 SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)
+_ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
 
 # Google's BERT gives up on longer words and emits [UNK]; HF does the same.
 MAX_INPUT_CHARS_PER_WORD = 100
@@ -167,6 +168,7 @@ class BertTokenizer:
                     f"{tokenizer_json} holds a {type(backend.model).__name__} model, "
                     "not WordPiece: is this a BERT checkpoint?"
                 )
+            added: list[tuple[int, AddedToken]] = []  # tokenizer.json holds its own
         elif vocab_txt.is_file():
             backend = tokenizers.Tokenizer(
                 models.WordPiece(
@@ -175,6 +177,7 @@ class BertTokenizer:
                     max_input_chars_per_word=MAX_INPUT_CHARS_PER_WORD,
                 )
             )
+            added = _recorded_added_tokens(root, config)
         else:
             raise AttnlabError(
                 f"no vocab.txt or tokenizer.json in {root}: is this a BERT checkpoint?"
@@ -189,7 +192,9 @@ class BertTokenizer:
             stored = config.get("model_max_length")
             ok = isinstance(stored, int) and not isinstance(stored, bool) and 0 < stored < _NO_LIMIT
             max_length = stored if ok else 512
-        return cls(backend, lowercase, strip_accents, chinese, max_length)
+        tokenizer = cls(backend, lowercase, strip_accents, chinese, max_length)
+        tokenizer._add_recorded_tokens(added, root)
+        return tokenizer
 
     # ---- encoding -----------------------------------------------------------------------
 
@@ -351,6 +356,25 @@ class BertTokenizer:
 
     # ---- internals ----------------------------------------------------------------------
 
+    def _add_recorded_tokens(self, added: list[tuple[int, AddedToken]], root: Path) -> None:
+        """Add the tokens a vocab.txt checkpoint records beside it, refusing ids that differ.
+
+        transformers gives them the ids after the vocabulary in the order of their recorded
+        ids, whatever those are: a recorded id that differs would pair a token with another
+        token's embedding row.
+        """
+        for token_id, token in sorted(added, key=lambda item: item[0]):
+            add = self._backend.add_special_tokens if token.special else self._backend.add_tokens
+            add([token])
+            given = self._backend.token_to_id(token.content)
+            if given != token_id:
+                raise AttnlabError(
+                    f"{root}: added token {token.content!r} is recorded with id {token_id} but "
+                    f"takes id {given} (added tokens follow the vocabulary, in order): the "
+                    "model's embedding rows would not match its tokens"
+                )
+        self._vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
+
     def _truncating_backend(self, max_length: int, is_pair: bool) -> tokenizers.Tokenizer:
         """A copy of the backend that truncates to max_length."""
         # Below the count of special tokens, tokenizers silently skips truncation.
@@ -408,6 +432,52 @@ def _read_json(path: Path) -> object:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as error:  # ValueError: bad text or JSON
         raise AttnlabError(f"cannot read {path}: {error}") from error
+
+
+def _recorded_added_tokens(root: Path, config: dict) -> list[tuple[int, AddedToken]]:
+    """(id, token) pairs recorded beside a vocab.txt: added_tokens_decoder, else added_tokens.json."""
+    path = root / "tokenizer_config.json"
+    if "added_tokens_decoder" in config:
+        recorded = config["added_tokens_decoder"]
+        if not isinstance(recorded, dict):
+            raise AttnlabError(f"{path}: added_tokens_decoder must map ids to added tokens")
+        return [(_token_id(i, path), _added_token(entry, path)) for i, entry in recorded.items()]
+    path = root / "added_tokens.json"
+    if not path.is_file():
+        return []
+    recorded = _read_json(path)
+    if not isinstance(recorded, dict):
+        raise AttnlabError(f"{path} must map added tokens to their ids")
+    # transformers' reading of this legacy file: BERT's own specials stay special and raw
+    return [
+        (
+            _token_id(i, path),
+            _added_token({"content": token, "special": token in SPECIAL_TOKENS}, path),
+        )
+        for token, i in recorded.items()
+    ]
+
+
+def _added_token(entry: object, path: Path) -> AddedToken:
+    """An AddedToken from its JSON form; like transformers, other keys (__type) are ignored."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
+        raise AttnlabError(f"{path}: {entry!r} is not an added token")
+    flags = {k: entry[k] for k in _ADDED_TOKEN_FLAGS if k in entry}
+    if not all(isinstance(v, bool) for v in flags.values()):
+        raise AttnlabError(
+            f"{path}: the flags of added token {entry['content']!r} must be booleans"
+        )
+    # normalized defaults to not special, in tokenizers as in transformers
+    return AddedToken(entry["content"], **flags)
+
+
+def _token_id(value: object, path: Path) -> int:
+    """A token id, written as an integer or (a JSON object's key) a string of digits."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise AttnlabError(f"{path}: {value!r} is not a token id")
+    return value
 
 
 def _config_value(config: dict, key: str, default: bool | None, path: Path) -> bool | None:
