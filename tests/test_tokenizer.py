@@ -490,6 +490,33 @@ def test_added_tokens_whose_ids_transformers_would_not_give_are_refused(
         BertTokenizer.from_dir(folder)
 
 
+def test_special_tokens_named_otherwise_are_refused(tmp_path):
+    vocab = VOCAB_TXT.read_text(encoding="utf-8").split("\n")
+    vocab[1:3] = ["<s>", "</s>"]  # [unused0], [unused1]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab), encoding="utf-8")
+    renamed = {"cls_token": "<s>", "sep_token": {"__type": "AddedToken", "content": "</s>"}}
+    folder = checkpoint_dir(
+        tmp_path / "ck", {"tokenizer_config.json": renamed}, tmp_path / "vocab.txt"
+    )
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert hf("hello world")["input_ids"] == [1, 7592, 2088, 2]  # not [CLS] 101 ... [SEP] 102
+    with pytest.raises(AttnlabError, match=r"names cls_token '<s>', sep_token '</s>': .* only"):
+        BertTokenizer.from_dir(folder)
+    folder = checkpoint_dir(
+        tmp_path / "map", {"special_tokens_map.json": {"mask_token": {"content": "<mask>"}}}
+    )
+    with pytest.raises(AttnlabError, match=r"special_tokens_map\.json names mask_token '<mask>'"):
+        BertTokenizer.from_dir(folder)
+    # BERT's own names, in either form, are what attnlab uses
+    defaults = {"mask_token": {"content": "[MASK]", "lstrip": True}, "cls_token": "[CLS]"}
+    folder = checkpoint_dir(tmp_path / "same", {"special_tokens_map.json": defaults})
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ids, type_ids = hf_encode(hf, ADDED_TEXTS)
+    assert_same(
+        BertTokenizer.from_dir(folder).encode_batch(ADDED_TEXTS), ids, type_ids, ADDED_TEXTS
+    )
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_save_round_trip(tmp_path, name):
     tokenizer = BertTokenizer.from_vocab(VOCAB_TXT, **CONFIGS[name], max_length=128)

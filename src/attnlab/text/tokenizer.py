@@ -35,6 +35,14 @@ from attnlab.io import check_input_file, write_text_atomic
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 # The order also fixes the ids of a newly trained vocabulary: [PAD]=0 ... [MASK]=4.
 SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)
+# tokenizer_config.json's names for them, as transformers reads them
+SPECIAL_TOKEN_KEYS = {
+    "pad_token": PAD,
+    "unk_token": UNK,
+    "cls_token": CLS,
+    "sep_token": SEP,
+    "mask_token": MASK,
+}
 _ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
 
 # Google's BERT gives up on longer words and emits [UNK]; HF does the same.
@@ -156,6 +164,7 @@ class BertTokenizer:
         config = _read_json(config_path) if config_path.is_file() else {}
         if not isinstance(config, dict):
             raise AttnlabError(f"{config_path} does not hold a JSON object")
+        _check_special_tokens(root, config)
 
         tokenizer_json, vocab_txt = root / "tokenizer.json", root / "vocab.txt"
         if tokenizer_json.is_file():
@@ -432,6 +441,26 @@ def _read_json(path: Path) -> object:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as error:  # ValueError: bad text or JSON
         raise AttnlabError(f"cannot read {path}: {error}") from error
+
+
+def _check_special_tokens(root: Path, config: dict) -> None:
+    """Refuse special tokens named otherwise than BERT's [CLS], [SEP], [PAD], [UNK], [MASK]."""
+    sources = [(root / "tokenizer_config.json", config)]
+    special_map = root / "special_tokens_map.json"
+    # transformers reads special_tokens_map.json only when added_tokens_decoder is absent
+    if special_map.is_file() and "added_tokens_decoder" not in config:
+        sources.append((special_map, _read_json(special_map)))
+    for path, data in sources:
+        if not isinstance(data, dict):
+            raise AttnlabError(f"{path} does not hold a JSON object")
+        named = {key: data.get(key, default) for key, default in SPECIAL_TOKEN_KEYS.items()}
+        named = {k: v.get("content") if isinstance(v, dict) else v for k, v in named.items()}
+        other = [f"{k} {v!r}" for k, v in named.items() if v != SPECIAL_TOKEN_KEYS[k]]
+        if other:
+            raise AttnlabError(
+                f"{path} names {', '.join(other)}: attnlab's BERT tokenizer uses "
+                f"{', '.join(SPECIAL_TOKENS)} only"
+            )
 
 
 def _recorded_added_tokens(root: Path, config: dict) -> list[tuple[int, AddedToken]]:
