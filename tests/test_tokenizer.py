@@ -517,6 +517,23 @@ def test_special_tokens_named_otherwise_are_refused(tmp_path):
     )
 
 
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "config.json"])
+def test_a_tokenizer_class_other_than_berts_is_refused(where, tmp_path):
+    japanese = {"tokenizer_class": "BertJapaneseTokenizer", "subword_tokenizer_type": "character"}
+    if where == "config.json":
+        japanese = {"model_type": "bert", **japanese}
+    folder = checkpoint_dir(tmp_path / "ck", {where: japanese})
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert type(hf).__name__ == "BertJapaneseTokenizer"  # it splits words otherwise
+    with pytest.raises(
+        AttnlabError, match=f"{where} names tokenizer_class 'BertJapaneseTokenizer'"
+    ):
+        BertTokenizer.from_dir(folder)
+    for name in ("BertTokenizer", "BertTokenizerFast"):
+        (folder / where).write_text(json.dumps({"tokenizer_class": name}), encoding="utf-8")
+        assert BertTokenizer.from_dir(folder).vocab_size == CHECKPOINT_VOCAB_SIZE
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_save_round_trip(tmp_path, name):
     tokenizer = BertTokenizer.from_vocab(VOCAB_TXT, **CONFIGS[name], max_length=128)

@@ -43,6 +43,8 @@ SPECIAL_TOKEN_KEYS = {
     "sep_token": SEP,
     "mask_token": MASK,
 }
+# tokenizer_class values that mean BERT's WordPiece tokenizer (absent: the model type's)
+BERT_TOKENIZER_CLASSES = (None, "BertTokenizer", "BertTokenizerFast")
 _ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
 
 # Google's BERT gives up on longer words and emits [UNK]; HF does the same.
@@ -164,6 +166,7 @@ class BertTokenizer:
         config = _read_json(config_path) if config_path.is_file() else {}
         if not isinstance(config, dict):
             raise AttnlabError(f"{config_path} does not hold a JSON object")
+        _check_tokenizer_class(root, config)
         _check_special_tokens(root, config)
 
         tokenizer_json, vocab_txt = root / "tokenizer.json", root / "vocab.txt"
@@ -441,6 +444,24 @@ def _read_json(path: Path) -> object:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as error:  # ValueError: bad text or JSON
         raise AttnlabError(f"cannot read {path}: {error}") from error
+
+
+def _check_tokenizer_class(root: Path, config: dict) -> None:
+    """Refuse a checkpoint whose tokenizer_class is not BERT's (say BertJapaneseTokenizer)."""
+    where = root / "tokenizer_config.json"
+    name = config.get("tokenizer_class")
+    if name is None and (root / "config.json").is_file():  # where AutoTokenizer looks next
+        where = root / "config.json"
+        try:
+            data = json.loads(where.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):  # the model's loader reports it
+            data = None
+        name = data.get("tokenizer_class") if isinstance(data, dict) else None
+    if name not in BERT_TOKENIZER_CLASSES:
+        raise AttnlabError(
+            f"{where} names tokenizer_class {name!r}: attnlab tokenizes as BERT's "
+            "BertTokenizer only, and would split text otherwise than that tokenizer"
+        )
 
 
 def _check_special_tokens(root: Path, config: dict) -> None:
