@@ -534,6 +534,21 @@ def test_a_tokenizer_class_other_than_berts_is_refused(where, tmp_path):
         assert BertTokenizer.from_dir(folder).vocab_size == CHECKPOINT_VOCAB_SIZE
 
 
+def test_legacy_max_len_is_the_default_max_length(tmp_path):
+    # max_len is the key of tokenizers saved before 2020; model_max_length wins over it
+    for name, stored, expected in (
+        ("old", {"max_len": 16}, 16),
+        ("both", {"max_len": 16, "model_max_length": 20}, 20),
+    ):
+        folder = checkpoint_dir(tmp_path / name, {"tokenizer_config.json": stored})
+        hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+        ours = BertTokenizer.from_dir(folder)
+        assert ours.max_length == hf.model_max_length == expected
+        texts = LINES[:50]
+        out = hf(texts, truncation=True)  # truncated to its model_max_length
+        assert_same(ours.encode_batch(texts), out["input_ids"], out["token_type_ids"], texts)
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_save_round_trip(tmp_path, name):
     tokenizer = BertTokenizer.from_vocab(VOCAB_TXT, **CONFIGS[name], max_length=128)

@@ -201,7 +201,8 @@ class BertTokenizer:
         strip_accents = _config_value(config, "strip_accents", None, config_path)
         chinese = _config_value(config, "tokenize_chinese_chars", True, config_path)
         if max_length is None:
-            stored = config.get("model_max_length")
+            # max_len is the key of tokenizers saved before 2020; transformers still reads it.
+            stored = config.get("model_max_length", config.get("max_len"))
             ok = isinstance(stored, int) and not isinstance(stored, bool) and 0 < stored < _NO_LIMIT
             max_length = stored if ok else 512
         tokenizer = cls(backend, lowercase, strip_accents, chinese, max_length)
