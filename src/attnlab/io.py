@@ -105,24 +105,25 @@ def resolved_path(path: Path, flag: str) -> Path:
         raise AttnlabError(f"{flag} {path} cannot be used: {err}") from None
 
 
-def check_out_location(out: Path, inputs: Sequence[str | Path] = ()) -> None:
+def check_out_location(out: Path, inputs: Sequence[str | Path] = (), flag: str = "--out") -> None:
     """Refuse an output directory that cannot be made, or whose replacement would lose an input.
 
     Replacing out replaces everything below it: an out that is, or holds, one of the
     command's inputs is refused, as is one that names no directory of its own ('.', '..', '/').
+    flag names out in messages: the command-line option, or the Python argument.
     """
     out = Path(out)
-    where = resolved_path(out, "--out")
+    where = resolved_path(out, flag)
     if out.name in ("", ".", ".."):
-        raise AttnlabError(f"--out {str(out)!r} names no directory of its own: give a new one")
+        raise AttnlabError(f"{flag} {str(out)!r} names no directory of its own: give a new one")
     for source in map(Path, inputs):
         if not source.exists():
             continue
         if where == source.resolve():
-            raise AttnlabError(f"--out {out} is the input {source}: write to another directory")
+            raise AttnlabError(f"{flag} {out} is the input {source}: write to another directory")
         if where in source.resolve().parents:
-            raise AttnlabError(f"--out {out} holds the input {source}: choose another --out")
-    _check_makeable(out, "--out")
+            raise AttnlabError(f"{flag} {out} holds the input {source}: choose another {flag}")
+    _check_makeable(out, flag)
 
 
 def check_output_file(
@@ -155,17 +156,21 @@ def check_output_file(
     return output
 
 
-def check_out_dir(out: Path, overwrite: bool = False, inputs: Sequence[str | Path] = ()) -> None:
+def check_out_dir(
+    out: Path, overwrite: bool = False, inputs: Sequence[str | Path] = (), flag: str = "--out"
+) -> None:
     """Refuse an output directory that already holds files, unless overwrite is set.
 
     ``check_out_location`` first: with or without overwrite, out must be a place of its own.
+    flag names out in messages ("--out" on the command line, "out" for a Python argument).
     """
     out = Path(out)
-    check_out_location(out, inputs)
+    check_out_location(out, inputs, flag)
     if out.exists() and not out.is_dir():
-        raise AttnlabError(f"--out {out} exists and is not a directory")
+        raise AttnlabError(f"{flag} {out} exists and is not a directory")
     if contents(out) and not overwrite:  # temp files of a killed write are not contents
-        raise AttnlabError(f"--out {out} already holds files (pass --overwrite to replace them)")
+        how = "--overwrite" if flag.startswith("--") else "overwrite=True"
+        raise AttnlabError(f"{flag} {out} already holds files (pass {how} to replace them)")
 
 
 def clear_dir(out: Path) -> None:
@@ -224,10 +229,13 @@ def remove_leftovers(folder: Path) -> None:
 
 
 @contextmanager
-def staged_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temp directory beside out; on success it replaces out as a whole, else it vanishes."""
+def staged_dir(out: Path, overwrite: bool = False, flag: str = "--out") -> Iterator[Path]:
+    """Yield a temp directory beside out; on success it replaces out as a whole, else it vanishes.
+
+    flag names out in messages, as in check_out_dir.
+    """
     out = Path(out)
-    check_out_dir(out, overwrite)
+    check_out_dir(out, overwrite, flag=flag)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = _temp_name(out)
     stage.mkdir()

@@ -543,7 +543,7 @@ def save_bert(
     arch = "BertModel"
     if isinstance(model, BertForPreTraining):
         arch = "BertForPreTraining" if model.nsp is not None else "BertForMaskedLM"
-    with staged_dir(Path(out), overwrite) as stage:
+    with staged_dir(Path(out), overwrite, flag="out") as stage:
         write_text_atomic(stage / "config.json", json.dumps(config_to_hf(config, arch), indent=2))
         state = bert_state_to_hf(model)
         write_with_atomic(
@@ -784,7 +784,7 @@ def save_task_model(
     if isinstance(model, BertForSequenceClassification):
         data["problem_type"] = model.problem_type
     data["classifier_dropout"] = getattr(model, "classifier_dropout", None)
-    with staged_dir(Path(out), overwrite) as stage:
+    with staged_dir(Path(out), overwrite, flag="out") as stage:
         write_text_atomic(stage / "config.json", json.dumps(data, indent=2, ensure_ascii=False))
         state = task_state_to_hf(model)
         write_with_atomic(
