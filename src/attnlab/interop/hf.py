@@ -2,7 +2,7 @@
 
 A checkpoint directory holds ``config.json`` (HF field names), ``vocab.txt`` and/or
 ``tokenizer.json``, and ``model.safetensors`` (or a legacy ``pytorch_model.bin``, read with
-``weights_only=True``). attnlab saves in this same layout, so its models go back to the HF
+``weights_only=True``; or the shards an ``.index.json`` of either names). attnlab saves in this same layout, so its models go back to the HF
 ecosystem unchanged; settings HF has no field for (another positional scheme, pre-LN) ride in
 config.json under ``"attnlab"``, and such models only load in attnlab.
 
