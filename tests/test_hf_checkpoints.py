@@ -308,3 +308,15 @@ def test_classifier_dropout_is_read_and_written(task, tmp_path):
     model, _ = load_task_model(tmp_path / "out", task)
     hf = getattr(transformers, hf_class).from_pretrained(str(tmp_path / "out"))
     assert model.dropout.p == hf.dropout.p == 0.2
+
+
+def test_malformed_classifier_checkpoints_are_named_not_tracebacks(tmp_path):
+    hf = transformers.BertForSequenceClassification(hf_config(num_labels=2))
+    folder = saved(randomized(hf), tmp_path / "cls")
+    edit_config(folder, id2label=5, label2id=None, problem_type=None)  # was a TypeError
+    with pytest.raises(AttnlabError, match=r"id2label must be an object"):
+        checkpoint_task(folder)
+    folder = saved(randomized(hf), tmp_path / "no-weight")
+    edit_weights(folder, lambda state: state.pop("classifier.weight"))  # was a KeyError
+    with pytest.raises(AttnlabError, match=r"classifier head holds bias, not weight and bias"):
+        load_task_model(folder, "classify")

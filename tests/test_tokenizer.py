@@ -677,3 +677,11 @@ def test_no_temporary_files_left_after_save(ours, tmp_path):
     ours.save(tmp_path)
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert os.path.getsize(tmp_path / "vocab.txt") > 0
+
+
+def test_a_vocabulary_listing_a_token_twice_is_refused(tmp_path):
+    # ids are line numbers; a repeated line left a gap, and the model's embedding rows no
+    # longer matched the tokens (a later IndexError, or silently wrong embeddings)
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nab\ncd\nab\n")
+    with pytest.raises(AttnlabError, match=r"lists the token 'ab' more than once"):
+        BertTokenizer.from_dir(tmp_path)

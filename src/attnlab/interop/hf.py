@@ -594,7 +594,10 @@ def checkpoint_task(path: str | Path) -> str | None:
         # HF infers regression from a single label when problem_type is unset.
         problem = data.get("problem_type")
         if problem is None:
-            problem = "regression" if len(data.get("id2label") or {}) == 1 else PROBLEM_TYPES[0]
+            id2label = data.get("id2label") or {}
+            if not isinstance(id2label, dict):
+                raise AttnlabError(f"{path}/config.json: id2label must be an object of id: label")
+            problem = "regression" if len(id2label) == 1 else PROBLEM_TYPES[0]
         if problem not in PROBLEM_TYPES:
             raise AttnlabError(
                 f"{path}/config.json: problem_type {problem!r} is not supported (attnlab trains "
@@ -706,6 +709,11 @@ def load_task_model(
             f"which does not fit task {task!r}"
         )
     keep_head = bool(head) and saved == task and not new_head
+    if keep_head and set(head) != {"weight", "bias"}:
+        prefix = _HEAD_PREFIXES.get(task, "qa_outputs.")
+        raise AttnlabError(
+            f"{path}: the {prefix[:-1]} head holds {', '.join(sorted(head))}, not weight and bias"
+        )
     if num_labels is None:
         if not keep_head and task in ("classify", "ner"):
             raise AttnlabError(f"{path} has no {task} head: the number of labels is unknown")

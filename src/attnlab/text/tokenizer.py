@@ -434,9 +434,19 @@ def _read_vocab_txt(path: Path) -> dict[str, int]:
     if not path.is_file():
         raise AttnlabError(f"vocab file {path} not found")
     try:
-        return models.WordPiece.read_file(str(path))
+        vocab = models.WordPiece.read_file(str(path))
     except Exception as error:  # tokenizers raises plain Exception on bad files
         raise AttnlabError(f"cannot read vocab file {path}: {error}") from error
+    if vocab and len(vocab) != max(vocab.values()) + 1:  # a repeated line keeps its last id
+        lines = path.read_text(encoding="utf-8").splitlines()
+        repeated = next(
+            (t for t, n in Counter(line.rstrip() for line in lines).items() if n > 1), ""
+        )
+        raise AttnlabError(
+            f"vocab file {path} lists the token {repeated!r} more than once: token ids would "
+            "not be line numbers, and would not match the model's embedding rows"
+        )
+    return vocab
 
 
 def _read_json(path: Path) -> object:
