@@ -277,7 +277,18 @@ def test_bad_input_is_one_line_and_writes_nothing(corpus, tmp_path, capsys):
     assert "unknown preset" in _error(
         ["pretrain", "--out", str(tmp_path / "o5"), "--preset", "bert-huge"], capsys
     )
-    for leftover in ("o1", "o2", "o3", "o4", "o5", "o6"):
+    huge = "99999999999999999999"  # overflowed in itertools / numpy: tracebacks
+    for command, option, fragment in [
+        ("pretrain", "--batch-size", "--batch-size must be at most 1048576"),
+        ("pretrain", "--seq-len", "--seq-len must be at most 65536"),
+        ("pretrain", "--grad-accum", "grad_accum must be <= 65536"),
+        ("distill", "--batch-size", "--batch-size must be at most 1048576"),
+    ]:
+        extra = ["--teacher", str(tmp_path / "nowhere"), "--student-layers", "1"]
+        args = [command, "--corpus", str(corpus), "--out", str(tmp_path / "o7")]
+        args += [*(extra if command == "distill" else TINY), option, huge, *cache]
+        assert fragment in _error(args, capsys)
+    for leftover in ("o1", "o2", "o3", "o4", "o5", "o6", "o7"):
         assert not (tmp_path / leftover).exists() or not any((tmp_path / leftover).iterdir())
 
 

@@ -37,6 +37,7 @@ from attnlab.tasks.pretrain import (
     PretrainOptions,
     bundled_corpus,
     check_out_dir,
+    check_upper_bounds,
     finish,
     prepare_data,
     trainer_config,
@@ -317,6 +318,7 @@ class DistillOptions(RunOptions):
         for name in ("steps", "batch_size", "grad_accum", "seq_len"):
             if getattr(self, name) < 1:
                 raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
+        check_upper_bounds(self.batch_size, self.seq_len)
         if not 0 < self.temperature < math.inf:
             raise AttnlabError(f"--temperature must be a finite number > 0, got {self.temperature}")
         for name in ("alpha_ce", "alpha_mlm", "alpha_cos"):

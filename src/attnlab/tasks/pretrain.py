@@ -47,6 +47,20 @@ from attnlab.train.memory import keep_freed_memory
 from attnlab.train.trainer import TrainConfig, Trainer, check_run_out, has_checkpoint, holds_run
 
 TOKENIZER_DIR = "tokenizer"  # inside the output: the vocabulary a resumed run must reuse
+MAX_BATCH_SIZE, MAX_SEQ_LEN = 1 << 20, 1 << 16  # sanity bounds on --batch-size, --seq-len
+
+
+def check_upper_bounds(batch_size: int, seq_len: int) -> None:
+    """Refuse a --batch-size or --seq-len past any model here, before the corpus is read.
+
+    A batch of 1e20 examples or such a sequence length overflowed deep in numpy and itertools.
+    """
+    for name, value, high in (
+        ("--batch-size", batch_size, MAX_BATCH_SIZE),
+        ("--seq-len", seq_len, MAX_SEQ_LEN),
+    ):
+        if value > high:
+            raise AttnlabError(f"{name} must be at most {high}")
 
 
 def bundled_corpus() -> Path:
@@ -256,6 +270,7 @@ class PretrainOptions(RunOptions):
             value = getattr(self, name)
             if value is not None and value < 1:  # vocab_size None: the default
                 raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
+        check_upper_bounds(self.batch_size, self.seq_len)
         for name in ("eval_documents", "eval_examples"):  # 0: no held-out evaluation
             if getattr(self, name) < 0:
                 raise AttnlabError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -555,10 +570,10 @@ def bench_pretraining(
     """Time `steps` training steps of a preset on synthetic data (after 2 warm-up steps)."""
     from attnlab.train.optim import build_optimizer
 
-    if not (steps >= 1 and 1 <= batch_size <= 2**20 and seq_len >= 8):
+    if not (steps >= 1 and 1 <= batch_size <= MAX_BATCH_SIZE and seq_len >= 8):
         raise AttnlabError(
-            "--steps must be >= 1, --batch-size from 1 to 2**20 and --seq-len >= 8 (room for "
-            "masked positions)"
+            f"--steps must be >= 1, --batch-size from 1 to {MAX_BATCH_SIZE} and --seq-len >= 8 "
+            "(room for masked positions)"
         )
     torch.manual_seed(0)
     config = BertConfig.preset(preset)

@@ -17,6 +17,7 @@ from attnlab.errors import AttnlabError
 from attnlab.train.optim import OPTIMIZER_DEFAULTS, SCHEDULES
 
 PRECISIONS = ("fp32", "bf16")
+MAX_GRAD_ACCUM = 1 << 16  # micro-batches a step: more would not finish a step in a run
 
 
 @dataclass
@@ -74,6 +75,9 @@ class TrainConfig:
         for name, low in (("steps", 1), ("grad_accum", 1), ("log_every", 1)):
             if getattr(self, name) < low:
                 raise AttnlabError(f"train: {name} must be >= {low}, got {getattr(self, name)}")
+        for name, high in (("steps", 2**31 - 1), ("grad_accum", MAX_GRAD_ACCUM)):
+            if getattr(self, name) > high:  # past these a run overflows or never ends a step
+                raise AttnlabError(f"train: {name} must be <= {high}, got {getattr(self, name)}")
         for name in ("warmup", "eval_every", "save_every", "keep_last"):
             if getattr(self, name) < 0:
                 raise AttnlabError(f"train: {name} must be >= 0, got {getattr(self, name)}")
