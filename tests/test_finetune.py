@@ -727,7 +727,10 @@ def test_evaluate_and_predict_refuse_bad_settings_and_outputs(tiny_dir, tmp_path
     settings = model / "finetune.json"
     for text, fragment in (("[1]", "expected a JSON object"),
                            ('{"max_length": "abc"}', "max_length must be an integer"),
-                           ('{"task": "regress"}', "says task 'regress'")):  # fmt: skip
+                           ('{"task": "regress"}', "says task 'regress'"),
+                           # in range too: 0 made every QA answer empty, with exit 0
+                           ('{"max_answer_length": 0}', "--max-answer-length must be at least 1"),
+                           ('{"language": "klingon"}', "--language must be auto, en or zh")):  # fmt: skip
         settings.write_text(text)
         assert_one_error(run(capsys, "evaluate", "--model", model, "--data", data), fragment)
 

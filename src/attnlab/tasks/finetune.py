@@ -134,17 +134,16 @@ class FinetuneOptions(RunOptions):
         super().validate()
         if self.task not in TASKS:
             raise AttnlabError(f"unknown task {self.task!r} (choose from {', '.join(TASKS)})")
-        for name in ("epochs", "batch_size", "eval_batch_size", "max_answer_length"):
+        for name in ("epochs", "batch_size", "eval_batch_size"):
             if getattr(self, name) < 1:
                 raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
+        check_data_settings(self.settings())
         if self.steps is not None and self.steps < 1:
             raise AttnlabError("--steps must be at least 1")
         if not 0 <= self.warmup_ratio < 1:
             raise AttnlabError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.train_answers not in ("all", "first"):
             raise AttnlabError(f"--train-answers must be all or first, got {self.train_answers!r}")
-        if self.language not in ("auto", "en", "zh"):
-            raise AttnlabError(f"--language must be auto, en or zh, got {self.language!r}")
         if self.best_metric is not None and self.best_metric not in METRICS[self.task]:
             raise AttnlabError(
                 f"--best-metric {self.best_metric!r} is not a {self.task} score "
@@ -156,6 +155,19 @@ class FinetuneOptions(RunOptions):
     def settings(self) -> dict[str, Any]:
         """The data settings saved with the model (finetune.json)."""
         return {name: getattr(self, name) for name in DATA_SETTINGS}
+
+
+def check_data_settings(settings: dict[str, Any]) -> None:
+    """Refuse data settings out of range, given as options or read from a saved finetune.json.
+
+    A saved max_answer_length of 0 made every answer empty, with exit 0.
+    """
+    if settings["max_answer_length"] < 1:
+        raise AttnlabError(
+            f"--max-answer-length must be at least 1, got {settings['max_answer_length']}"
+        )
+    if settings["language"] not in ("auto", "en", "zh"):
+        raise AttnlabError(f"--language must be auto, en or zh, got {settings['language']!r}")
 
 
 # ---------------------------------------------------------------------------- data
@@ -862,6 +874,7 @@ def load_finetuned(
         )
     check_types(FinetuneOptions, overrides, "overrides")
     settings.update(overrides)
+    check_data_settings(settings)
     if settings["max_length"] is None:
         settings["max_length"] = DEFAULT_MAX_LENGTH[saved_task]
     _check_model_fits(saved_task, settings, model_dir)
