@@ -900,3 +900,25 @@ def test_resuming_a_linear_schedule_with_more_steps_warns(tmp_path: Path, capsys
     capsys.readouterr()
     train(tmp_path / "run", steps=8, save_every=2, resume=True)
     assert "the linear decay is stretched to the new last step" in capsys.readouterr().err
+
+
+def test_a_librarys_write_error_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    # A full disk reaches safetensors and torch.save as their own errors (SafetensorError,
+    # RuntimeError "unexpected pos"), not OSError: they were tracebacks.
+    from attnlab.io import write_with_atomic
+    from attnlab.train import checkpoint
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64\nmore")
+
+    def writer(tmp):
+        tmp.write_bytes(b"partial")
+        full_disk()
+
+    with pytest.raises(AttnlabError, match=r"cannot write .*weights\.bin: \[enforce fail"):
+        write_with_atomic(tmp_path / "weights.bin", writer)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    with pytest.raises(AttnlabError, match=r"cannot write .*step-3: \[enforce fail"):
+        checkpoint.save_checkpoint(tmp_path / "checkpoints", 3, nn.Linear(2, 2), {"step": 3})
+    assert list((tmp_path / "checkpoints").iterdir()) == []

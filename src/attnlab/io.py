@@ -85,9 +85,21 @@ def write_with_atomic(path: Path, writer: Callable[[Path], None]) -> None:
         writer(tmp)
         os.chmod(tmp, _default_mode())  # safetensors >= 0.8 creates its files 0600
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        raise_library_write_error(path, err)
         raise
+
+
+def raise_library_write_error(path: Path, err: BaseException) -> None:
+    """Raise a one-line AttnlabError for a library's own error while writing path, else return.
+
+    safetensors and torch.save report a full disk as SafetensorError or RuntimeError, not as
+    OSError (which the command line already turns into one line).
+    """
+    if isinstance(err, Exception) and not isinstance(err, (OSError, AttnlabError)):
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        raise AttnlabError(f"cannot write {path}: {lines[0]}") from err
 
 
 def _check_makeable(path: Path, flag: str) -> None:

@@ -29,6 +29,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from attnlab.errors import AttnlabError
+from attnlab.io import raise_library_write_error
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "trainer.pt"
@@ -130,8 +131,9 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, state: dict[str, An
             _discard(final)
         os.replace(tmp, final)
         _fsync(root)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise_library_write_error(final, err)
         raise
     return final
 
