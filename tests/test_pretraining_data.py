@@ -468,7 +468,7 @@ def _unshuffled(builder: ExampleBuilder, epoch: int) -> list[Example]:
     """The epoch's examples before mixing (the shuffle buffer made a no-op)."""
     original = pretraining._shuffled
     try:
-        pretraining._shuffled = lambda items, size, rng: items
+        pretraining._shuffled = lambda items, size, rng, max_len: items
         return list(builder.epoch(epoch))
     finally:
         pretraining._shuffled = original
