@@ -227,8 +227,9 @@ class RotaryPositions(PositionEncoding):
         """(cos, sin), each (seq, d_head), of the angles pos * base^(-2i/d_head), in float32.
 
         The frequencies are made here, in float32, rather than kept in a buffer that
-        ``model.to(torch.bfloat16)`` would round (bf16 angles drift by whole turns at long
-        positions); ``apply_rotary`` casts cos and sin to the queries' dtype.
+        ``model.to(torch.bfloat16)`` would round (bf16 keeps 3 significant digits, so long
+        positions' angles would be off by radians); ``apply_rotary`` casts cos and sin to
+        the queries' dtype.
         """
         exponents = torch.arange(0, self.d_head, 2, dtype=torch.float32, device=positions.device)
         inv_freq = self.base ** (-exponents / self.d_head)  # (d_head / 2,)
