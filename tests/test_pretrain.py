@@ -455,6 +455,37 @@ def test_held_out_scores_are_the_same_on_packed_weights(corpus, vocab, tmp_path,
         assert packed[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
 
 
+def test_added_special_tokens_are_never_masked(corpus, vocab, tmp_path):
+    # An added special token (an entity marker, say) is never chosen nor put in as a random token
+    import attnlab.tasks.pretrain as pretrain_module
+    from attnlab.text.tokenizer import BertTokenizer
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copy(vocab / "vocab.txt", folder)
+    config = json.loads((vocab / "tokenizer_config.json").read_text(encoding="utf-8"))
+    e1 = len((vocab / "vocab.txt").read_text(encoding="utf-8").splitlines())
+    entry = {"content": "<e1>", "special": True, "normalized": False}
+    config["added_tokens_decoder"] = {str(e1): entry}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    tokenizer = BertTokenizer.from_dir(folder)
+    assert tokenizer.vocab_size == e1 + 1 and e1 in tokenizer.special_ids
+    marked = tmp_path / "marked.txt"
+    lines = corpus.read_text(encoding="utf-8").splitlines()
+    marked.write_text("".join(f"<e1> {line}\n" if line else "\n" for line in lines), "utf-8")
+    opts = pretrain_module.PretrainOptions(
+        out=tmp_path / "run", corpus=[marked], preset="bert-tiny", batch_size=32, seq_len=64,
+        eval_documents=40, eval_examples=48, cache_dir=tmp_path / "cache", progress=False,
+    )  # fmt: skip
+    batches = pretrain_module.prepare_data(opts, [marked], tokenizer).batches
+    markers = chosen = 0
+    for batch in itertools.islice(batches, 20):
+        markers += int((batch["input_ids"] == e1).sum())
+        chosen += int((batch["mlm_labels"] != -100).sum())
+        assert not (batch["mlm_labels"] == e1).any()
+    assert markers > 500 and chosen > 2000  # 15% of the markers would be ~150
+
+
 def test_overwrite_clears_the_old_run_before_it_writes_anything(corpus, tmp_path, capsys,
                                                                 monkeypatch):  # fmt: skip
     from attnlab.tasks import pretrain as recipe

@@ -468,6 +468,33 @@ def test_from_dir_reads_added_tokens_beside_vocab_txt(layout, tmp_path):
         assert ours.decode(encoded) == hf.decode(encoded, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("layout", sorted(ADDED_LAYOUTS))
+def test_special_ids_are_every_token_marked_special(layout, tmp_path):
+    # masking never chooses a special id; transformers' reading of the flags is the reference
+    folder = checkpoint_dir(tmp_path / "ck", ADDED_LAYOUTS[layout])
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    marked = {token_id for token_id, token in hf.added_tokens_decoder.items() if token.special}
+    assert BertTokenizer.from_dir(folder).special_ids == marked
+    assert len(marked) == (7 if layout == "added_tokens_decoder" else 5)
+
+
+def test_saved_added_tokens_reach_a_reader_of_vocab_txt(tmp_path):
+    # tokenizer.json holds them; without it, tokenizer_config.json must record them
+    ours = BertTokenizer.from_dir(
+        checkpoint_dir(tmp_path / "ck", ADDED_LAYOUTS["added_tokens_decoder"])
+    )
+    out = tmp_path / "saved"
+    ours.save(out)
+    (out / "tokenizer.json").unlink()
+    reloaded = BertTokenizer.from_dir(out)
+    hf = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert reloaded.vocab == ours.vocab and len(hf) == ours.vocab_size
+    assert reloaded.special_ids == ours.special_ids
+    ids, type_ids = hf_encode(hf, ADDED_TEXTS)
+    assert_same(ours.encode_batch(ADDED_TEXTS), ids, type_ids, ADDED_TEXTS)
+    assert_same(reloaded.encode_batch(ADDED_TEXTS), ids, type_ids, ADDED_TEXTS)
+
+
 @pytest.mark.parametrize(
     "recorded, fragment",
     [

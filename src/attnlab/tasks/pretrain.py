@@ -392,12 +392,11 @@ def prepare_data(
     )
     held_out = min(opts.eval_documents, corpus.n_documents // 10)
     train_view, eval_view = corpus.split(held_out) if held_out >= 2 else (corpus, None)
-    special = {tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id, tokenizer.mask_id}
     collator = MaskingCollator(
         tokenizer.pad_id,
         tokenizer.mask_id,
         tokenizer.vocab_size,
-        special | {tokenizer.unk_id},
+        tokenizer.special_ids,
         mask_prob=opts.mask_prob,
         whole_word=opts.whole_word_masking,
     )

@@ -281,6 +281,13 @@ class BertTokenizer:
             "cls_token": CLS,
             "sep_token": SEP,
             "mask_token": MASK,
+            # Added tokens beside vocab.txt, as transformers records them: a reader of
+            # vocab.txt alone (transformers' pure-Python tokenizer) would not know them.
+            "added_tokens_decoder": {
+                str(token_id): {"content": token.content}
+                | {f: getattr(token, f) for f in _ADDED_TOKEN_FLAGS}
+                for token_id, token in sorted(self._backend.get_added_tokens_decoder().items())
+            },
         }
         write_text_atomic(out / "vocab.txt", "".join(token + "\n" for token in tokens))
         write_text_atomic(out / "tokenizer.json", self._backend.to_str(pretty=True))
@@ -325,8 +332,15 @@ class BertTokenizer:
 
     @property
     def special_ids(self) -> set[int]:
-        """Ids of [PAD], [UNK], [CLS], [SEP] and [MASK]."""
-        return {self._pad_id, self._unk_id, self._cls_id, self._sep_id, self._mask_id}
+        """Ids of [PAD], [UNK], [CLS], [SEP], [MASK] and of every added token marked special."""
+        added = self._backend.get_added_tokens_decoder()
+        return {token_id for token_id, token in added.items() if token.special} | {
+            self._pad_id,
+            self._unk_id,
+            self._cls_id,
+            self._sep_id,
+            self._mask_id,
+        }
 
     @property
     def lowercase(self) -> bool:
