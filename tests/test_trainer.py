@@ -922,3 +922,34 @@ def test_a_librarys_write_error_is_one_line_and_leaves_nothing(tmp_path, monkeyp
     with pytest.raises(AttnlabError, match=r"cannot write .*step-3: \[enforce fail"):
         checkpoint.save_checkpoint(tmp_path / "checkpoints", 3, nn.Linear(2, 2), {"step": 3})
     assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_write_errors_name_the_users_path_not_the_temp_file(tmp_path, monkeypatch):
+    # A full disk surfaces while the temp file (.NAME.<hex>.tmp) or staged directory is
+    # written; the error named that path, which the user never gave and which is gone.
+    import errno
+
+    from attnlab import io
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def library_error(tmp):
+        raise RuntimeError("unexpected pos 64")
+
+    monkeypatch.setattr(io.os, "fsync", no_space)
+    with pytest.raises(OSError) as caught:
+        io.write_bytes_atomic(tmp_path / "notes.txt", b"x")
+    assert (caught.value.errno, caught.value.filename) == (
+        errno.ENOSPC,
+        str(tmp_path / "notes.txt"),
+    )
+    out = tmp_path / "model"
+    with pytest.raises(OSError) as caught, io.staged_dir(out) as stage:
+        io.write_bytes_atomic(stage / "weights.bin", b"x")
+    assert (caught.value.errno, caught.value.filename) == (errno.ENOSPC, str(out / "weights.bin"))
+    monkeypatch.undo()
+    with pytest.raises(AttnlabError) as named, io.staged_dir(out) as stage:
+        io.write_with_atomic(stage / "model.safetensors", library_error)
+    assert str(named.value) == f"cannot write {out / 'model.safetensors'}: unexpected pos 64"
+    assert list(tmp_path.iterdir()) == []

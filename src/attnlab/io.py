@@ -44,9 +44,25 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        raise_for_target(err, tmp, path)
         raise
+
+
+def raise_for_target(err: BaseException, temp: Path, target: Path) -> None:
+    """Raise an error about temp (or its contents) again as one about target, else return.
+
+    A full disk or a refused write surfaces while the temp file or directory is written; the
+    user named target, and temp is gone once the error is reported.
+    """
+    if isinstance(err, OSError) and err.errno is not None:
+        where = str(err.filename) if err.filename is not None else str(temp)
+        if where == str(temp) or where.startswith(str(temp) + os.sep):
+            where = str(target) + where[len(str(temp)) :]
+            raise type(err)(err.errno, err.strerror, where) from err
+    elif isinstance(err, AttnlabError) and str(temp) in str(err):
+        raise AttnlabError(str(err).replace(str(temp), str(target))) from err
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -87,6 +103,7 @@ def write_with_atomic(path: Path, writer: Callable[[Path], None]) -> None:
         os.replace(tmp, path)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
+        raise_for_target(err, tmp, path)
         raise_library_write_error(path, err)
         raise
 
@@ -253,8 +270,9 @@ def staged_dir(out: Path, overwrite: bool = False, flag: str = "--out") -> Itera
     stage.mkdir()
     try:
         yield stage
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(stage, ignore_errors=True)
+        raise_for_target(err, stage, out)
         raise
     if out.exists():
         trash = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
