@@ -850,7 +850,13 @@ def test_embed_checks_the_model_before_waiting_for_stdin(monkeypatch, capsys, tm
         (["export", "--model", "m", "--format", "onnx", "--out", "o"], "invalid choice"),
         (["embed"], "required: --model"),
         (["summarize"], "invalid choice: 'summarize'"),
-        ([], "required"),
+        ([], "required: {info,tokenize,"),  # named as usage shows it, not as "command"
+        (["tokenizer"], "tokenizer: the following arguments are required: {train}"),
+        # a negative or infinite value is the value's own error, not "expected one argument"
+        (["pretrain", "--out", "o", "--lr", "-1e-3"], "--lr must be > 0, got -0.001"),
+        (["pretrain", "--out", "o", "--lr", "-inf"], "--lr must be a finite number, got -inf"),
+        (["translate", "train", "--out", "o", "--lr", "-.5E+1"], "--lr must be > 0, got -5.0"),
+        (["finetune", "--lr", "-1"], "finetune needs --task"),  # -1 was read as a value
     ],
     ids=[
         "bad-pooling",
@@ -860,6 +866,11 @@ def test_embed_checks_the_model_before_waiting_for_stdin(monkeypatch, capsys, tm
         "no-model",
         "no-command",
         "empty",
+        "no-subcommand",
+        "negative-exponent",
+        "minus-infinity",
+        "negative-translate",
+        "negative-finetune",
     ],
 )
 def test_argparse_errors_are_one_line(cli, argv, fragment):
@@ -991,3 +1002,36 @@ def test_bleu_tokenizer_that_cannot_run_is_named():
 
     with pytest.raises(AttnlabError, match=r"BLEU tokenizer 'ja-mecab' cannot run here: .*install"):
         bleu_metric("ja-mecab")  # sacreBLEU's extra for Japanese is not a dependency here
+
+
+def test_ctrl_c_after_the_command_ended_prints_no_traceback(tmp_path):
+    # A Ctrl-C that lands while the interpreter shuts down (here sent from an exit handler
+    # that runs after main returned) must not add a traceback to the command's one line.
+    program = (
+        "import atexit, os, signal, sys, time\n"
+        "from attnlab.cli import main\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.5)))\n"
+        "sys.exit(main())\n"
+    )
+    script = tmp_path / "run.py"
+    script.write_text(program, encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, str(script), "pretrain", "--steps", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("attnlab: error:")
+
+
+def test_stdout_that_cannot_show_the_text_is_one_error_line(tiny_mlm_dir):
+    # A C locale or PYTHONIOENCODING=ascii: print() raised UnicodeEncodeError, a traceback
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    args = ["-m", "attnlab", "fill-mask", "--model", str(tiny_mlm_dir), "今天[MASK]"]
+    done = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=300, env=env
+    )
+    message = assert_one_error(done.returncode, done.stdout, done.stderr, "set PYTHONIOENCODING")
+    assert "cannot write '\\u4eca' in ascii" in message

@@ -661,8 +661,8 @@ def test_settings_refused_before_training_or_writing(tiny_dir, tmp_path, capsys)
     # a misspelt --best-metric was found only at the first dev score, after training
     assert_one_error(run(capsys, *args, *dev, "--best-metric", "acc"), "not a classify score")
     assert_one_error(run(capsys, *args, "--best-metric", "f1"), "--best-metric needs --dev")
-    assert_one_error(run(capsys, *args, "--weight-decay", "-1"), "weight_decay")
-    assert_one_error(run(capsys, *args, "--weight-decay", "nan"), "weight_decay")
+    assert_one_error(run(capsys, *args, "--weight-decay", "-1"), "--weight-decay must be >= 0")
+    assert_one_error(run(capsys, *args, "--weight-decay", "nan"), "--weight-decay must be a finite")
     three = write(tmp_path / "three.tsv", "sentence\tlabel\na\tx\nb\ty\nc\tz\nd\tx\n")
     args3 = finetune_args(tiny_dir, three, out, "--text-column", "sentence", "--dev", three)
     assert_one_error(run(capsys, *args3, "--best-metric", "mcc"), "mcc needs two classes")
@@ -793,7 +793,7 @@ def test_python_api_checks_options_and_leaves_them_as_given(tiny_dir, tmp_path, 
 
     common = dict(task="classify", model=tiny_dir, train=DATA / "sentiment.tsv", steps=1)
     common.update(batch_size=2, text_column="sentence", progress=False)
-    with pytest.raises(AttnlabError, match="FinetuneOptions: epochs must be an integer, got '3'"):
+    with pytest.raises(AttnlabError, match="--epochs must be an integer, got '3'"):
         finetune(FinetuneOptions(**common, out=tmp_path / "x", epochs="3"))
     opts = FinetuneOptions(**common, out=str(tmp_path / "clf"), save_every=0, eval_every=0)
     given = dataclasses.replace(opts)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
@@ -30,6 +33,14 @@ T = TypeVar("T")
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (usage text stays available through --help)."""
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse reads only -5 and -.5 as negative numbers: --lr -1e-3 and --lr -inf were
+        # taken for options ("expected one argument") instead of values its check refuses.
+        self._negative_number_matcher = re.compile(
+            r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE
+        )
+
     def error(self, message: str) -> NoReturn:
         command = self.prog.removeprefix("attnlab").strip()  # "attnlab: error:" comes first
         raise AttnlabError(f"{command}: {message}" if command else message)
@@ -37,6 +48,15 @@ class _Parser(argparse.ArgumentParser):
 
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def _unencodable(err: UnicodeEncodeError) -> str:
+    """The message for text an encoding cannot write (stdout's, most often: a C locale)."""
+    message = f"cannot write {err.object[err.start : err.start + 1]!r} in {err.encoding}"
+    stdout = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "")
+    if stdout == err.encoding.lower().replace("-", "") and stdout != "utf8":
+        message += ", standard output's encoding: set PYTHONIOENCODING=utf-8"
+    return message
 
 
 def _print_json(result: dict) -> None:
@@ -820,11 +840,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--cased", action="store_true", help="wordpiece: keep case and accents")
     sub.add_argument("--out", required=True)
     sub.add_argument("--overwrite", action="store_true")
+    for group in (commands, bench_commands, tok_commands):
+        # A missing command is named by its choices, as usage shows them, not by its dest
+        group.metavar = "{" + ",".join(group.choices) + "}"
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; bad input, a refused file operation, no memory: one line on stderr, exit 2."""
+    try:
+        return _run(argv)
+    finally:
+        if argv is None and threading.current_thread() is threading.main_thread():
+            # Run as the program: the command is over, and a Ctrl-C now would only break the
+            # interpreter's shutdown (torch's exit handlers) with a traceback.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    """main's body: the exit code of one command."""
     try:
         if sys.stdout is None:  # the shell closed it (>&-): results would vanish
             raise AttnlabError("standard output is closed: results are printed there")
@@ -839,6 +873,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except UnicodeEncodeError as err:
+        _say(f"attnlab: error: {_unencodable(err)}")
+        return EXIT_USAGE
     except OSError as err:  # the file system said no: a path through a file, no space, no access
         where = f": {err.filename}" if err.filename else ""
         _say(f"attnlab: error: {err.strerror or err}{where}")

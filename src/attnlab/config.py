@@ -69,16 +69,20 @@ def _expected(value: Any, hint: Any) -> str | None:
     return None  # Any, or a type this check does not know: the field's own validation decides
 
 
-def check_types(cls: type, values: dict[str, Any], source: str) -> None:
-    """Raise AttnlabError when a value does not fit its dataclass field's type (source names it)."""
+def check_types(cls: type, values: dict[str, Any], source: str | None) -> None:
+    """Raise AttnlabError when a value does not fit its dataclass field's type.
+
+    source names where the values come from (a file); None names each field as its flag.
+    """
     hints = typing.get_type_hints(cls)
     for name, value in values.items():
         if name in hints:
             expected = _expected(value, hints[name])
-            _check(expected is None, f"{source}: {name} must be {expected}, got {value!r}")
+            where = f"{source}: {name}" if source else f"--{name.replace('_', '-')}"
+            _check(expected is None, f"{where} must be {expected}, got {value!r}")
 
 
-def check_field_types(options: Any, source: str) -> None:
+def check_field_types(options: Any, source: str | None) -> None:
     """check_types on every field of a dataclass instance (options built from Python, say)."""
     fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
     check_types(type(options), fields, source)

@@ -140,6 +140,8 @@ class FinetuneOptions(RunOptions):
         check_data_settings(self.settings())
         if self.steps is not None and self.steps < 1:
             raise AttnlabError("--steps must be at least 1")
+        if self.weight_decay < 0:  # finite already
+            raise AttnlabError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if not 0 <= self.warmup_ratio < 1:
             raise AttnlabError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.train_answers not in ("all", "first"):

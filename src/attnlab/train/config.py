@@ -117,6 +117,7 @@ class RunOptions:
     anything.
     """
 
+    lr: float = 1e-4  # the peak learning rate; each job sets its own default
     log_every: int = 10
     eval_every: int | None = 0
     save_every: int | None = 500
@@ -130,7 +131,9 @@ class RunOptions:
     def validate(self) -> None:
         """Raise AttnlabError for an impossible run setting."""
         # Typed as the CLI's --config files are checked (a Python caller may pass "3" for 3).
-        check_field_types(self, type(self).__name__)
+        check_field_types(self, None)
+        if not self.lr > 0:  # finite already
+            raise AttnlabError(f"--lr must be > 0, got {self.lr}")
         if self.log_every < 1:
             raise AttnlabError(f"--log-every must be at least 1, got {self.log_every}")
         if self.keep_last < 0:
