@@ -8,6 +8,12 @@ so every step faults those pages in again, each one zeroed by the kernel. With t
 freed memory stays in the heap for the next step: `attnlab bench pretrain --preset bert-small
 --batch-size 32` ran 17% faster with it on a 2-core AVX-512 host (bench/RESULTS.md). The
 process holds on to its peak memory instead; ``ATTNLAB_MALLOC=default`` leaves glibc as it is.
+
+Kept memory fragments: the step's temporaries vary in size (the masked rows of each batch),
+small long-lived allocations split the freed blocks, and the heap grows into new space while
+the freed holes stay resident. `release_freed_memory` (glibc's malloc_trim) hands the free
+pages back; the trainer calls it once a minute and after each evaluation, so its page faults
+come once a minute, not every step (bench/RESULTS.md: bert-mini's resident size).
 """
 
 from __future__ import annotations
@@ -44,3 +50,9 @@ def keep_freed_memory() -> bool:
         libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
     )
     return _applied
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the kernel, where keep_freed_memory is in effect."""
+    if _applied:
+        ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(0))
