@@ -45,6 +45,14 @@ def test_mcc_matches_the_formula():
     assert mcc([0, 1, 0, 1], [1, 0, 1, 0]) == pytest.approx(-1.0)
 
 
+def test_mcc_of_a_single_class_is_zero_without_a_warning(recwarn):
+    # The formula's denominator is 0; the documented value is 0, and sklearn's warning about
+    # its confusion matrix reached the command line as two lines at every evaluation.
+    assert mcc([1, 1, 1], [1, 1, 1]) == 0.0
+    assert mcc([1, 1, 1], [0, 1, 1]) == 0.0
+    assert [str(w.message) for w in recwarn] == []
+
+
 def test_classification_metrics_adds_mcc_only_for_binary_tasks():
     binary = classification_metrics([0, 1, 1, 0], [0, 1, 0, 0], n_classes=2)
     assert set(binary) == {"accuracy", "f1", "mcc"}

@@ -63,7 +63,11 @@ def mcc(y_true: Sequence, y_pred: Sequence) -> float:
     _check_pairs(y_true, y_pred)
     from sklearn import metrics as sk_metrics
 
-    return float(sk_metrics.matthews_corrcoef(y_true, y_pred))
+    with warnings.catch_warnings():
+        # One class on both sides (a one-class dev set, a model that predicts one class):
+        # sklearn warns about its confusion matrix's shape, then gives the documented 0.
+        warnings.filterwarnings("ignore", "A single label was found", UserWarning)
+        return float(sk_metrics.matthews_corrcoef(y_true, y_pred))
 
 
 def classification_metrics(y_true: Sequence, y_pred: Sequence, n_classes: int) -> dict:
