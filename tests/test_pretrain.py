@@ -309,6 +309,20 @@ def test_corrupt_checkpoint_on_resume_is_refused(corpus, tmp_path, capsys):
     assert state.read_bytes() == b"not a checkpoint"
 
 
+def test_resume_into_another_jobs_run_is_refused(corpus, tmp_path, capsys):
+    # A checkpointed run of another job (no tokenizer/): the error said the missing
+    # tokenizer was "not a directory: expected a BERT checkpoint directory".
+    from _trainer_run import train
+
+    out = tmp_path / "run"
+    train(out, steps=4, save_every=2)
+    before = _snapshot(out)
+    args = ["pretrain", "--corpus", str(corpus), "--out", str(out), *TINY, "--resume"]
+    message = _error([*args, "--cache-dir", str(tmp_path / "cache")], capsys)
+    assert "holds no pretraining run (no tokenizer/ beside its checkpoints)" in message
+    assert _snapshot(out) == before
+
+
 def _snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 

@@ -294,6 +294,11 @@ def check_out_dir(opts: PretrainOptions) -> None:
     started = holds_run(out) or (out / TOKENIZER_DIR).is_dir()
     inputs = [*opts.corpus, opts.tokenizer, opts.init, opts.cache_dir]
     check_run_out(out, opts.resume, opts.overwrite, started, "pretraining", inputs)
+    if opts.resume and has_checkpoint(out) and not (out / TOKENIZER_DIR).is_dir():
+        raise AttnlabError(
+            f"--resume: {out} holds no pretraining run (no {TOKENIZER_DIR}/ beside its "
+            "checkpoints): a run of another job cannot be continued here"
+        )
 
 
 def run_tokenizer(opts: PretrainOptions, files: list[Path]) -> BertTokenizer:
