@@ -294,17 +294,17 @@ def check_out_dir(opts: PretrainOptions) -> None:
     started = holds_run(out) or (out / TOKENIZER_DIR).is_dir()
     inputs = [*opts.corpus, opts.tokenizer, opts.init, opts.cache_dir]
     check_run_out(out, opts.resume, opts.overwrite, started, "pretraining", inputs)
-    if opts.resume and has_checkpoint(out) and not (out / TOKENIZER_DIR).is_dir():
-        raise AttnlabError(
-            f"--resume: {out} holds no pretraining run (no {TOKENIZER_DIR}/ beside its "
-            "checkpoints): a run of another job cannot be continued here"
-        )
 
 
 def run_tokenizer(opts: PretrainOptions, files: list[Path]) -> BertTokenizer:
     """The run's vocabulary: a resumed run's own, --tokenizer, --init's, or one trained now."""
     saved = opts.out / TOKENIZER_DIR
     if opts.resume and has_checkpoint(opts.out):  # saved before the run's first step
+        if not saved.is_dir():
+            raise AttnlabError(
+                f"--resume: {opts.out} holds no pretraining run (no {TOKENIZER_DIR}/ beside its "
+                "checkpoints): a run of another job cannot be continued here"
+            )
         return BertTokenizer.from_dir(saved)
     if opts.tokenizer is not None:
         return BertTokenizer.from_dir(opts.tokenizer)
