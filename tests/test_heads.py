@@ -8,11 +8,13 @@ attnlab, and an attnlab-saved one loaded by HF's from_pretrained.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import VARIED_SENTENCES
+from safetensors.torch import load_file
 
 from attnlab.errors import AttnlabError
 from attnlab.interop.hf import (
@@ -118,6 +120,24 @@ def test_same_logits_and_loss_as_hf_with_the_same_head(task, minilm_dir, batch):
     assert abs(mine["loss"].item() - theirs.loss.item()) < TOL
     # Without labels there is no loss, only logits.
     assert "loss" not in ours(**batch)
+
+
+def test_a_bin_checkpoint_is_read_once(minilm_dir, tmp_path):
+    # An encoder's weights are looked over for a trained head config.json does not name;
+    # that look read a .bin a second time (a safetensors file gives its names from its header).
+    from attnlab.interop import hf
+
+    folder = tmp_path / "encoder"
+    shutil.copytree(minilm_dir, folder)
+    weights = folder / "model.safetensors"
+    torch.save(load_file(str(weights)), folder / "pytorch_model.bin")
+    weights.unlink()
+    reads = []
+    reading = hf.read_weights
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hf, "read_weights", lambda path: reads.append(path) or reading(path))
+        _, fresh = load_task_model(folder, "classify", num_labels=2)
+    assert fresh == ["classifier"] and len(reads) == 1
 
 
 @pytest.mark.parametrize("task", list(HF_HEADS))

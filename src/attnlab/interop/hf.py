@@ -17,6 +17,7 @@ import math
 import pickle
 import re
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -576,11 +577,12 @@ def _read_config_json(path: Path) -> dict[str, Any]:
     return json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
 
 
-def checkpoint_task(path: str | Path) -> str | None:
+def checkpoint_task(path: str | Path, weights: Collection[str] | None = None) -> str | None:
     """The task a checkpoint's head was trained for (classify/regress/ner/qa), None for an encoder.
 
     A head attnlab cannot run as trained (multi-label), or one config.json does not name, is
     an error rather than None, so that no trained head is taken for an encoder and replaced.
+    weights: the checkpoint's tensor names where the caller has read them already.
     """
     path = Path(path)
     data = _read_config_json(path)
@@ -605,13 +607,13 @@ def checkpoint_task(path: str | Path) -> str | None:
                 "trains a new head on its encoder"
             )
         return "regress" if problem == "regression" else "classify"
-    _refuse_unnamed_head(path, architectures)
+    _refuse_unnamed_head(path, architectures, weights)
     return None
 
 
-def _refuse_unnamed_head(path: Path, architectures: Any) -> None:
+def _refuse_unnamed_head(path: Path, architectures: Any, names: Collection[str] | None) -> None:
     """Refuse trained head weights that config.json's "architectures" does not name."""
-    names = weight_names(path)
+    names = weight_names(path) if names is None else names
     if any(name.startswith("qa_outputs.") for name in names):
         head, fix = "qa_outputs", '["BertForQuestionAnswering"]'
     elif any(name.startswith("classifier.") for name in names):
@@ -699,8 +701,8 @@ def load_task_model(
     """
     path = Path(path)
     config = read_config(path)
-    saved = None if new_head else checkpoint_task(path)
     state = read_weights(path)
+    saved = None if new_head else checkpoint_task(path, weights=state.keys())
     _check_layer_count(state, config.n_layers, path)
     head = _head_state(state, task)
     if saved is not None and saved != task and not new_head:
