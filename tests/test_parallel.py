@@ -4,6 +4,7 @@ token-count BatchSource: budget kept, every pair once per epoch, seeded, resumab
 from __future__ import annotations
 
 import gzip
+import itertools
 import random
 
 import pytest
@@ -177,3 +178,35 @@ def test_errors():
     source = make(random_pairs(5), max_tokens=1000)
     with pytest.raises(AttnlabError, match="fewer than the 2 processes"):
         source.set_rank(0, 2)
+
+
+@pytest.mark.parametrize("start", [0, "last"], ids=["mid-epoch", "across-epochs"])
+def test_a_steps_loss_is_the_mean_over_every_target_token_of_the_step(start):
+    # grad_accum 3 on 2 ranks: the six batches' averaged losses (each divided by the step's
+    # normaliser) equal the per-token mean over all six, as one batch of them all would give.
+    from attnlab.config import TransformerConfig
+    from attnlab.models.seq2seq import Transformer
+
+    torch.manual_seed(0)
+    config = TransformerConfig(src_vocab_size=50, tgt_vocab_size=50, d_model=32, n_heads=4,
+                               d_ff=64, n_encoder_layers=1, n_decoder_layers=1,
+                               max_positions=64, pad_id=PAD, bos_id=SOS, eos_id=EOS)  # fmt: skip
+    model = Transformer(config).eval()
+    pairs = random_pairs()
+    ranks = [make(pairs, grad_accum=3), make(pairs, grad_accum=3)]
+    for r, source in enumerate(ranks):
+        source.set_rank(r, 2)
+        if start == "last":  # two reads left in epoch 0: the step ends in epoch 1
+            source.load_state_dict({"epoch": 0, "batch_index": source.batches_per_epoch(0) - 2})
+    step = [batch for source in ranks for batch in itertools.islice(iter(source), 3)]
+    assert ranks[0].state_dict() == ({"epoch": 0, "batch_index": 3} if start == 0 else
+                                     {"epoch": 1, "batch_index": 1})  # fmt: skip
+    tokens = sum(int((batch["tgt_out"] != PAD).sum()) for batch in step)
+    assert all(float(batch["tgt_normalizer"]) == pytest.approx(tokens / 6) for batch in step)
+    with torch.no_grad():
+        averaged = sum(float(model(**batch)["loss"]) for batch in step) / 6
+        plain = [model(**{k: v for k, v in b.items() if k != "tgt_normalizer"}) for b in step]
+    per_token = sum(float(out["loss"]) * int(out["n_tokens"]) for out in plain) / tokens
+    assert averaged == pytest.approx(per_token, rel=1e-5)
+    mean_of_means = sum(float(out["loss"]) for out in plain) / 6
+    assert abs(mean_of_means - per_token) > 1e-4  # what the loss was before: not the same

@@ -265,6 +265,7 @@ class Transformer(nn.Module):
         tgt_in: Tensor,
         tgt_out: Tensor | None = None,
         src_mask: Tensor | None = None,
+        tgt_normalizer: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """Teacher forcing: src_ids (batch, src_len), tgt_in / tgt_out (batch, tgt_len).
 
@@ -272,6 +273,10 @@ class Transformer(nn.Module):
         (label-smoothed cross-entropy summed over non-pad target tokens / their count),
         "nll_loss" (the same without smoothing: log-perplexity per token) and "n_tokens"; the
         projection then runs only at non-pad positions and the logits are not kept.
+        ``tgt_normalizer`` replaces the count as the divisor: the target tokens of a whole
+        optimiser step over its micro-batches and processes (text/parallel.py: TokenBatches),
+        so that averaging their losses gives the mean over every token of the step, as fairseq
+        normalises by the step's token count.
         """
         check_token_batch(tgt_in, "tgt_in", tgt_out=tgt_out)  # encode() checks the source
         if len(tgt_in) != len(src_ids):
@@ -296,5 +301,6 @@ class Transformer(nn.Module):
             logits, tgt_out[keep], self.config.label_smoothing, self.config.pad_id
         )
         n_tokens = keep.sum()
-        denom = n_tokens.clamp(min=1).to(loss.dtype)
+        denom = n_tokens.clamp(min=1) if tgt_normalizer is None else tgt_normalizer
+        denom = denom.to(loss.dtype)
         return {"loss": loss / denom, "nll_loss": nll / denom, "n_tokens": n_tokens}

@@ -391,8 +391,9 @@ def prepare(opts: TranslateOptions, from_out: bool = False) -> TranslationData:
             f"{config.max_positions} tokens were truncated"
         )
     batches = TokenBatches(
-        encoded, opts.max_tokens, tokenizer.pad_id, tokenizer.sos_id, tokenizer.eos_id, opts.seed
-    )
+        encoded, opts.max_tokens, tokenizer.pad_id, tokenizer.sos_id, tokenizer.eos_id, opts.seed,
+        grad_accum=opts.grad_accum,
+    )  # fmt: skip
     valid_encoded = encode_pairs(tokenizer, valid, config.max_positions) if valid else None
     return TranslationData(tokenizer, config, batches, valid_encoded, valid, notes)
 

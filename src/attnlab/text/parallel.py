@@ -166,6 +166,10 @@ class TokenBatches:
     skips the batches already read. Under torch.distributed, global step s hands batch
     ``s * W + r`` to rank r (the epoch's last ``< W`` batches are left out, so every rank
     takes the same number of steps). ``shuffle=False`` keeps the sorted order (evaluation).
+
+    An optimiser step reads ``grad_accum`` batches on each rank (they may cross into the next
+    epoch); each carries ``tgt_normalizer`` = (target tokens of all the step's batches, every
+    rank's) / (grad_accum x ranks), so the averaged losses are the mean over the step's tokens.
     """
 
     def __init__(
@@ -177,9 +181,12 @@ class TokenBatches:
         eos_id: int,
         seed: int = 0,
         shuffle: bool = True,
+        grad_accum: int = 1,
     ) -> None:
         if len(pairs) == 0:
             raise AttnlabError("no sentence pairs to train on")
+        if grad_accum < 1:
+            raise AttnlabError(f"grad_accum must be at least 1, got {grad_accum}")
         self.pairs = pairs
         self.sizes = [max(len(s), len(t) + 1) for s, t in zip(pairs.src, pairs.tgt, strict=True)]
         longest = max(self.sizes)
@@ -190,17 +197,18 @@ class TokenBatches:
             )
         self.max_tokens = max_tokens
         self.pad_id, self.sos_id, self.eos_id = pad_id, sos_id, eos_id
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.grad_accum = seed, shuffle, grad_accum
+        self.targets = [len(t) + 1 for t in pairs.tgt]  # tgt_out's tokens: y <eos>
         self.rank, self.world_size = 0, 1
         self.epoch, self.batch_index = 0, 0  # the next global batch to hand out
-        self._cached: tuple[int, list[list[int]]] | None = None
+        self._cached: dict[int, list[list[int]]] = {}  # two epochs: a step may cross the end
 
     # ---- the batches of an epoch ---------------------------------------------------------
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """Pair indices of each batch of an epoch, in the order they are read."""
-        if self._cached is not None and self._cached[0] == epoch:
-            return self._cached[1]
+        if epoch in self._cached:
+            return self._cached[epoch]
         # Its own generator: the order depends on (seed, epoch) only, not on dropout's draws.
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         n = len(self.sizes)
@@ -219,7 +227,8 @@ class TokenBatches:
         batches.append(batch)
         if self.shuffle:
             batches = [batches[i] for i in torch.randperm(len(batches), generator=generator)]
-        self._cached = (epoch, batches)
+        self._cached = {e: b for e, b in self._cached.items() if e == epoch - 1}
+        self._cached[epoch] = batches
         return batches
 
     def batches_per_epoch(self, epoch: int = 0) -> int:
@@ -248,14 +257,27 @@ class TokenBatches:
         self.rank, self.world_size = rank, world_size
 
     def __iter__(self) -> Iterator[Batch]:
-        """This rank's batches from the current position, forever."""
+        """This rank's batches from the current position (a step's start), forever."""
         while True:
-            batches = self.epoch_batches(self.epoch)
-            while self.batch_index < len(batches) // self.world_size:
-                indices = batches[self.batch_index * self.world_size + self.rank]
-                self.batch_index += 1  # before yielding: state_dict() names the next batch
-                yield self.collate(indices)
-            self.epoch, self.batch_index = self.epoch + 1, 0
+            reads = self._next_reads(self.grad_accum)
+            step = [self.epoch_batches(e)[i * self.world_size : (i + 1) * self.world_size]
+                    for e, i in reads]  # fmt: skip
+            tokens = sum(self.targets[p] for batches in step for batch in batches for p in batch)
+            normalizer = torch.tensor(tokens / (self.grad_accum * self.world_size))
+            for (epoch, index), batches in zip(reads, step, strict=True):
+                self.epoch, self.batch_index = epoch, index + 1  # state_dict(): the next one
+                yield {**self.collate(batches[self.rank]), "tgt_normalizer": normalizer}
+
+    def _next_reads(self, count: int) -> list[tuple[int, int]]:
+        """(epoch, global step) of the next `count` reads from the current position."""
+        epoch, index, reads = self.epoch, self.batch_index, []
+        while len(reads) < count:
+            if index < len(self.epoch_batches(epoch)) // self.world_size:
+                reads.append((epoch, index))
+                index += 1
+            else:
+                epoch, index = epoch + 1, 0
+        return reads
 
     def state_dict(self) -> dict[str, Any]:
         """The position: epoch and index of the next global batch."""
