@@ -524,6 +524,9 @@ def test_overwrite_clears_the_old_run_before_it_writes_anything(corpus, tmp_path
     assert sorted(p.name for p in out.iterdir()) == ["tokenizer"]
     monkeypatch.undo()
     capsys.readouterr()
+    # it said "holds a run: pass --resume to continue", though nothing could be continued
+    message = _error([*args, "--lr", "3e-4"], capsys)
+    assert "holds only the vocabulary of a run stopped before its first checkpoint" in message
     assert main([*args, "--resume", "--lr", "3e-4"]) == 0  # a start killed early begins again
     rows = _rows(out)
     assert [r["step"] for r in rows if not r.get("eval")][-1] == 2

@@ -27,7 +27,7 @@ from torch import nn
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.interop.hf import load_bert, save_bert, weight_names
-from attnlab.io import check_input_file, clear_dir
+from attnlab.io import check_input_file, clear_dir, contents
 from attnlab.models.bert import BertForPreTraining
 from attnlab.nn.dropout import eval_mode
 from attnlab.nn.packed import packed_linears
@@ -292,6 +292,12 @@ def check_out_dir(opts: PretrainOptions) -> None:
     # before its first log row or checkpoint holds only its vocabulary.
     out = opts.out
     started = holds_run(out) or (out / TOKENIZER_DIR).is_dir()
+    if not (opts.resume or opts.overwrite) and [p.name for p in contents(out)] == [TOKENIZER_DIR]:
+        # what an earlier start that failed (out of memory, say) or was killed early leaves
+        raise AttnlabError(
+            f"--out {out} holds only the vocabulary of a run stopped before its first "
+            "checkpoint: pass --resume or --overwrite to start it again"
+        )
     inputs = [*opts.corpus, opts.tokenizer, opts.init, opts.cache_dir]
     check_run_out(out, opts.resume, opts.overwrite, started, "pretraining", inputs)
 
