@@ -500,6 +500,31 @@ def test_added_special_tokens_are_never_masked(corpus, vocab, tmp_path):
     assert markers > 500 and chosen > 2000  # 15% of the markers would be ~150
 
 
+def test_max_predictions_caps_the_masked_tokens_of_each_sequence(corpus, vocab, tmp_path, capsys):
+    # google-research/bert's max_predictions_per_seq; the held-out examples are capped too
+    import attnlab.tasks.pretrain as pretrain_module
+    from attnlab.text.tokenizer import BertTokenizer
+
+    tokenizer = BertTokenizer.from_dir(vocab)
+    counts = {}
+    for cap in (None, 3):
+        opts = pretrain_module.PretrainOptions(
+            out=tmp_path / "run", corpus=[corpus], preset="bert-tiny", batch_size=16,
+            seq_len=64, eval_documents=40, eval_examples=48, cache_dir=tmp_path / "cache",
+            progress=False, max_predictions=cap,
+        )  # fmt: skip
+        batches = pretrain_module.prepare_data(opts, [corpus], tokenizer).batches
+        rows = torch.cat(
+            [(b["mlm_labels"] != -100).sum(dim=1) for b in itertools.islice(batches, 8)]
+        )
+        counts[cap] = rows
+    assert counts[None].max() > 3 and counts[3].max() == 3 and counts[3].min() >= 1
+    args = ["pretrain", "--corpus", str(corpus), "--out", str(tmp_path / "o"), *TINY]
+    assert "--max-predictions must be at least 1" in _error(
+        [*args, "--max-predictions", "0"], capsys
+    )
+
+
 def test_overwrite_clears_the_old_run_before_it_writes_anything(corpus, tmp_path, capsys,
                                                                 monkeypatch):  # fmt: skip
     from attnlab.tasks import pretrain as recipe

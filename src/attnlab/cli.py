@@ -726,6 +726,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--objective", choices=("mlm+nsp", "mlm", "mlm+sop"))
     sub.add_argument("--grad-accum", type=int, help="micro-batches per step")
     sub.add_argument("--static-masking", action="store_true", default=None)
+    sub.add_argument(
+        "--max-predictions", type=int, help="masked tokens per sequence at most (default: no cap)"
+    )
     sub.add_argument("--tokenizer", help="use this vocabulary instead of training one")
     sub.add_argument(
         "--vocab-size", type=int, help="size of the vocabulary trained on --corpus (default 8000)"

@@ -242,6 +242,7 @@ class PretrainOptions(RunOptions):
     whole_word_masking: bool = False
     static_masking: bool = False
     mask_prob: float = 0.15
+    max_predictions: int | None = None  # masked tokens per sequence at most (google: 20 at 128)
     eval_documents: int = 200
     eval_examples: int = 512
     compile: bool = False
@@ -266,7 +267,14 @@ class PretrainOptions(RunOptions):
                 "--vocab-size sizes a vocabulary trained on the corpus; --init and --tokenizer "
                 "bring their own: drop it"
             )
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "vocab_size"):
+        for name in (
+            "steps",
+            "batch_size",
+            "seq_len",
+            "grad_accum",
+            "vocab_size",
+            "max_predictions",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:  # vocab_size None: the default
                 raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
@@ -409,6 +417,7 @@ def prepare_data(
         tokenizer.vocab_size,
         tokenizer.special_ids,
         mask_prob=opts.mask_prob,
+        max_predictions=opts.max_predictions,
         whole_word=opts.whole_word_masking,
     )
     builder = ExampleBuilder(
