@@ -841,56 +841,6 @@ def test_the_trainer_keeps_large_blocks_in_the_heap_unless_told_not_to(setting: 
         assert mapped >= 64 * 2**20
 
 
-_RELEASED_BYTES = """
-import os, sys, tempfile
-from pathlib import Path
-import torch
-sys.path.insert(0, sys.argv[1])
-from _trainer_run import train
-from attnlab.train.memory import release_freed_memory
-
-def resident() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-with tempfile.TemporaryDirectory() as out:
-    train(Path(out) / "run", steps=1, save_every=0, eval_every=0)
-block = torch.ones(64 * 2**20)  # 256 MB, touched: resident
-del block  # kept by the heap (the trainer's setting): still resident
-before = resident()
-release_freed_memory()
-print(before - resident())
-"""
-
-
-@pytest.mark.skipif(
-    sys.platform != "linux" or os.confstr("CS_GNU_LIBC_VERSION") is None,
-    reason="glibc's malloc settings",
-)
-def test_freed_memory_the_heap_keeps_goes_back_to_the_kernel() -> None:
-    # Kept memory fragments as a run goes on (train/memory.py); release_freed_memory returns it.
-    env = {**os.environ, "ATTNLAB_MALLOC": "keep"}
-    child = subprocess.run(
-        [sys.executable, "-c", _RELEASED_BYTES, str(Path(__file__).parent)],
-        env=env, capture_output=True, text=True, timeout=300, check=True,
-    )  # fmt: skip
-    assert int(child.stdout.strip().splitlines()[-1]) >= 200 * 2**20
-
-
-def test_the_trainer_releases_freed_memory_after_evaluations_and_once_a_minute(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from attnlab.train import trainer as trainer_module
-
-    calls: list[int] = []
-    monkeypatch.setattr(trainer_module, "release_freed_memory", lambda: calls.append(1))
-    train(tmp_path / "a", steps=12, eval_every=3, save_every=0)
-    assert len(calls) == 4  # after steps 3, 6, 9, 12: a minute has not passed
-    calls.clear()
-    monkeypatch.setattr(trainer_module, "RELEASE_EVERY_S", 0.0)
-    train(tmp_path / "b", steps=12, eval_every=0, save_every=0)
-    assert len(calls) == 12
-
-
 def test_an_unknown_allocator_setting_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(memory, "_applied", False)
     monkeypatch.setenv("ATTNLAB_MALLOC", "off")

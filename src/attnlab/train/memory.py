@@ -9,11 +9,12 @@ freed memory stays in the heap for the next step: `attnlab bench pretrain --pres
 --batch-size 32` ran 17% faster with it on a 2-core AVX-512 host (bench/RESULTS.md). The
 process holds on to its peak memory instead; ``ATTNLAB_MALLOC=default`` leaves glibc as it is.
 
-Kept memory fragments: the step's temporaries vary in size (the masked rows of each batch),
-small long-lived allocations split the freed blocks, and the heap grows into new space while
-the freed holes stay resident. `release_freed_memory` (glibc's malloc_trim) hands the free
-pages back; the trainer calls it once a minute and after each evaluation, so its page faults
-come once a minute, not every step (bench/RESULTS.md: bert-mini's resident size).
+What it holds is more than one step's peak: the temporaries differ in size from step to step
+(the masked rows of each batch), so freed blocks are split and the heap grows around them
+for the first thousand or so steps, then stays (bert-mini, batch 32 x 128: resident 1.3 GB at
+step 50, 1.95 GB from step 1,100 on, with 0.27 GB in use between steps). Handing the free
+pages back every minute (malloc_trim) kept it at 1.0-1.7 GB but cost 2.4% of the speed, so
+the trainer does not (bench/pretrain_memory.py, bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -50,9 +51,3 @@ def keep_freed_memory() -> bool:
         libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
     )
     return _applied
-
-
-def release_freed_memory() -> None:
-    """Give the heap's free pages back to the kernel, where keep_freed_memory is in effect."""
-    if _applied:
-        ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(0))

@@ -52,11 +52,10 @@ from attnlab.train.distributed import (
 )
 from attnlab.train.grads import clipped_step, kept_embedding_grads
 from attnlab.train.log import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss_curve
-from attnlab.train.memory import keep_freed_memory, release_freed_memory
+from attnlab.train.memory import keep_freed_memory
 from attnlab.train.optim import build_optimizer, build_scheduler
 
 CHECKPOINT_DIR = "checkpoints"
-RELEASE_EVERY_S = 60.0  # how often freed heap memory goes back to the kernel (train/memory.py)
 Evaluate = Callable[[nn.Module], dict[str, float]]
 OnBest = Callable[[nn.Module, dict[str, float]], None]
 
@@ -180,9 +179,8 @@ class Trainer:
 
     For the whole process, not just the run: ``fit()`` seeds Python's, numpy's and torch's
     global generators with ``config.seed``, and the trainer tells glibc's malloc to keep
-    freed memory (train/memory.py; ``ATTNLAB_MALLOC=default`` before it opts out), handing the
-    free pages back once a minute and after each evaluation. The model is left in training
-    mode.
+    freed memory (train/memory.py; ``ATTNLAB_MALLOC=default`` before it opts out). The model
+    is left in training mode.
     """
 
     def __init__(
@@ -253,7 +251,6 @@ class Trainer:
         self._window = _Window()
         self._last_lr = 0.0
         self._started = time.perf_counter()
-        self._released = self._started  # when freed memory last went back to the kernel
         self._session_tokens = 0
         # What fit() reports: the last train row and eval metrics, the newest checkpoint.
         self.last_train: dict[str, Any] = {}
@@ -332,15 +329,10 @@ class Trainer:
             bar.set_postfix(
                 loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}"
             )
-        evaluated = self.evaluate is not None and (final or _due(self.step, cfg.eval_every))
-        if evaluated:
+        if self.evaluate is not None and (final or _due(self.step, cfg.eval_every)):
             self._run_evaluation()
         if final or _due(self.step, cfg.save_every):
             self._save()
-        # Kept memory fragments (train/memory.py); evaluation's temporaries are shaped otherwise.
-        if evaluated or time.perf_counter() - self._released >= RELEASE_EVERY_S:
-            release_freed_memory()
-            self._released = time.perf_counter()
 
     def _train_step(self, data: Iterator[Batch]) -> tuple[dict[str, Tensor], int]:
         """One optimiser step over grad_accum micro-batches: (mean values, tokens read)."""
