@@ -8,7 +8,7 @@ use, what lies free). --release-every S also hands the heap's free pages back to
 (glibc's malloc_trim) between steps once S seconds have passed; the trainer does not.
 
 Usage: python bench/pretrain_memory.py --out DIR [--steps 1000] [--release-every never|60]
-       [--threads 1] [--preset bert-mini] [--lang zh|en]
+       [--threads 1] [--preset bert-mini] [--lang zh|en] [--max-predictions N]
 Run two settings side by side (one thread each) to compare them under the same conditions;
 the rows' tokens/s are in DIR/run/metrics.jsonl.
 """
@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--preset", default="bert-mini")
     parser.add_argument("--lang", choices=("zh", "en"), default="zh")
+    parser.add_argument("--max-predictions", type=int, help="masked tokens per sequence at most")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -80,7 +81,7 @@ def main() -> None:
     opts = PretrainOptions(
         out=args.out, corpus=[corpus], preset=args.preset, batch_size=32, seq_len=128,
         vocab_size=21128 if args.lang == "zh" else 8192, eval_documents=400, eval_examples=512,
-        cache_dir=data_dir / "cache", progress=False,
+        cache_dir=data_dir / "cache", progress=False, max_predictions=args.max_predictions,
     )  # fmt: skip
     if not (vocab_dir / "vocab.txt").exists():
         run_tokenizer(opts, [corpus]).save(vocab_dir)
