@@ -9,12 +9,12 @@ freed memory stays in the heap for the next step: `attnlab bench pretrain --pres
 --batch-size 32` ran 17% faster with it on a 2-core AVX-512 host (bench/RESULTS.md). The
 process holds on to its peak memory instead; ``ATTNLAB_MALLOC=default`` leaves glibc as it is.
 
-What it holds is more than one step's peak: the temporaries differ in size from step to step
-(the masked rows of each batch), so freed blocks are split and the heap grows around them
-for the first thousand or so steps, then levels off (bert-mini, batch 32 x 128: resident
-1.3 GB at step 50, about 2.0 GB from step 1,000 on, with 0.27 GB in use between steps). Handing
-the free pages back every minute (malloc_trim) kept it at 1.0-1.8 GB but cost 1.5-2.4% of the
-speed, so the trainer does not (bench/pretrain_memory.py, bench/RESULTS.md).
+What it holds is more than one step's peak: the temporaries differ in size and order from step
+to step (the masked rows of each batch among them), so freed blocks are split and the heap
+grows around them, fast at first and slowly after (bert-mini, batch 32 x 128: resident 1.3 GB
+at step 50, 1.95-2.46 GB at step 1,150 in three runs, with 0.27 GB in use between steps).
+Handing the free pages back every minute (malloc_trim) kept it at 1.0-1.8 GB but cost 1.5-2.4%
+of the speed, so the trainer does not (bench/pretrain_memory.py, bench/RESULTS.md).
 """
 
 from __future__ import annotations
