@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import machine
-from pretrain_quality import build_corpus
+from pretrain_quality import shared_data
 
 
 class MallInfo2(ctypes.Structure):
@@ -70,23 +70,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from attnlab.tasks.pretrain import PretrainOptions, build_model, prepare_data, run_tokenizer
-    from attnlab.text.tokenizer import BertTokenizer
+    from attnlab.tasks.pretrain import build_model, prepare_data
     from attnlab.train import TrainConfig, Trainer
 
     release = math.inf if args.release_every == "never" else float(args.release_every)
-    data_dir = args.out.parent / f"data-{args.lang}"  # shared by runs side by side
-    corpus = build_corpus(data_dir, args.lang)
-    vocab_dir = data_dir / "vocab"
-    opts = PretrainOptions(
-        out=args.out, corpus=[corpus], preset=args.preset, batch_size=32, seq_len=128,
-        vocab_size=21128 if args.lang == "zh" else 8192, eval_documents=400, eval_examples=512,
-        cache_dir=data_dir / "cache", progress=False, max_predictions=args.max_predictions,
+    opts, corpus, tokenizer = shared_data(
+        args.out, args.lang, 21128 if args.lang == "zh" else 8192, preset=args.preset,
+        batch_size=32, seq_len=128, max_predictions=args.max_predictions,
     )  # fmt: skip
-    if not (vocab_dir / "vocab.txt").exists():
-        run_tokenizer(opts, [corpus]).save(vocab_dir)
-    opts.tokenizer, opts.vocab_size = vocab_dir, None
-    tokenizer = BertTokenizer.from_dir(vocab_dir)
     job = prepare_data(opts, [corpus], tokenizer)
     torch.manual_seed(0)
     model = build_model(opts, tokenizer)

@@ -93,6 +93,29 @@ def build_corpus(folder: Path, lang: str) -> Path:
     return path
 
 
+def shared_data(out: Path, lang: str, vocab_size: int, **options: object) -> tuple:
+    """(PretrainOptions, corpus file, tokenizer) of a run in `out`; data and vocabulary shared.
+
+    The corpus, its token cache and the WordPiece vocabulary (trained once, `vocab_size`) lie
+    in out's parent, so that runs side by side (the two models here, the two settings of
+    bench/pretrain_memory.py) read the same data. options: further PretrainOptions fields.
+    """
+    from attnlab.tasks.pretrain import PretrainOptions, run_tokenizer
+    from attnlab.text.tokenizer import BertTokenizer
+
+    data_dir = out.parent / f"data-{lang}"
+    corpus = build_corpus(data_dir, lang)
+    vocab_dir = data_dir / "vocab"
+    opts = PretrainOptions(
+        out=out, corpus=[corpus], vocab_size=vocab_size, eval_documents=400, eval_examples=512,
+        cache_dir=data_dir / "cache", progress=False, **options,
+    )  # fmt: skip
+    if not (vocab_dir / "vocab.txt").exists():  # one vocabulary for every run beside it
+        run_tokenizer(opts, [corpus]).save(vocab_dir)
+    opts.tokenizer, opts.vocab_size = vocab_dir, None  # the vocabulary is now a given one
+    return opts, corpus, BertTokenizer.from_dir(vocab_dir)
+
+
 class HFAdapter(nn.Module):
     """HF BertForPreTraining behind attnlab's batch keys and outputs (full-vocabulary logits)."""
 
@@ -189,22 +212,13 @@ def main() -> None:
     vocab_size = args.vocab_size or (8192 if args.lang == "en" else 21128)
     torch.set_num_threads(args.threads)
 
-    from attnlab.tasks.pretrain import PretrainOptions, build_model, prepare_data, run_tokenizer
-    from attnlab.text.tokenizer import BertTokenizer
+    from attnlab.tasks.pretrain import build_model, prepare_data
     from attnlab.train import TrainConfig, Trainer
 
-    data_dir = args.out.parent / f"data-{args.lang}"  # shared by the two models' runs
-    corpus = build_corpus(data_dir, args.lang)
-    vocab_dir = data_dir / "vocab"
-    opts = PretrainOptions(
-        out=args.out, corpus=[corpus], preset=args.preset, batch_size=args.batch_size,
-        seq_len=args.seq_len, vocab_size=vocab_size, eval_documents=400, eval_examples=512,
-        cache_dir=data_dir / "cache", progress=False,
+    opts, corpus, tokenizer = shared_data(
+        args.out, args.lang, vocab_size, preset=args.preset, batch_size=args.batch_size,
+        seq_len=args.seq_len,
     )  # fmt: skip
-    if not (vocab_dir / "vocab.txt").exists():  # one vocabulary for both models
-        run_tokenizer(opts, [corpus]).save(vocab_dir)
-    opts.tokenizer, opts.vocab_size = vocab_dir, None  # the vocabulary is now a given one
-    tokenizer = BertTokenizer.from_dir(vocab_dir)
     job = prepare_data(opts, [corpus], tokenizer)
     torch.manual_seed(0)
     ours = build_model(opts, tokenizer)
