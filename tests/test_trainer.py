@@ -953,3 +953,11 @@ def test_write_errors_name_the_users_path_not_the_temp_file(tmp_path, monkeypatc
         io.write_with_atomic(stage / "model.safetensors", library_error)
     assert str(named.value) == f"cannot write {out / 'model.safetensors'}: unexpected pos 64"
     assert list(tmp_path.iterdir()) == []
+    # a checkpoint is written in a temp directory beside step-<N> too
+    from attnlab.train import checkpoint
+
+    monkeypatch.setattr(checkpoint.os, "fsync", no_space)
+    with pytest.raises(OSError) as caught:
+        checkpoint.save_checkpoint(tmp_path / "checkpoints", 3, nn.Linear(2, 2), {"step": 3})
+    assert caught.value.filename.startswith(str(tmp_path / "checkpoints" / "step-3"))
+    assert list((tmp_path / "checkpoints").iterdir()) == []

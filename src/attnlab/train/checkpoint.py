@@ -29,7 +29,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from attnlab.errors import AttnlabError
-from attnlab.io import raise_library_write_error
+from attnlab.io import raise_for_target, raise_library_write_error
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "trainer.pt"
@@ -133,6 +133,7 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, state: dict[str, An
         _fsync(root)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise_for_target(err, tmp, final)
         raise_library_write_error(final, err)
         raise
     return final
