@@ -140,6 +140,26 @@ def test_causal_output_at_t_ignores_inputs_after_t() -> None:
     assert not torch.allclose(out2[:, :, t + 1 :], out[:, :, t + 1 :])
 
 
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_causal_attention_over_query_rows_equals_those_rows_of_the_full_pass(
+    need_weights: bool,
+) -> None:
+    # query_rows picks queries anywhere in the sequence; the causal mask must hide the keys
+    # after each query's own position (it once hid those after the last q_len positions, and
+    # none at all for a single row).
+    torch.manual_seed(5)
+    mha = MultiHeadAttention(D_MODEL, H).eval()
+    x = torch.randn(B, 9, D_MODEL)
+    full, full_w, _ = mha(x, causal=True, need_weights=True)
+    for rows in (torch.tensor([[0, 3, 5], [1, 2, 8]]), torch.tensor([[2], [4]])):
+        out, w, _ = mha(x, causal=True, need_weights=need_weights, query_rows=rows)
+        expected = full.gather(1, rows[..., None].expand(-1, -1, D_MODEL))
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+        if need_weights:
+            index = rows[:, None, :, None].expand(-1, H, -1, full_w.shape[-1])
+            torch.testing.assert_close(w, full_w.gather(2, index), atol=1e-6, rtol=1e-5)
+
+
 def test_additive_bias_is_added_to_the_scores() -> None:
     q, k, v = qkv(4, 5)
     bias = torch.randn(1, H, 4, 5)

@@ -474,6 +474,11 @@ class MultiHeadAttention(nn.Module):
                 q_rope = (rope[0][query_rows].unsqueeze(1), rope[1][query_rows].unsqueeze(1))
                 q, k = apply_rotary(q, q_rope), apply_rotary(k, rope)
             bias = _bias_rows(bias, query_rows, len(x))
+            if causal:  # the queries sit at positions query_rows, not at the last q_len ones
+                future = torch.arange(x.shape[1], device=x.device) > query_rows[:, None, :, None]
+                causal_bias = torch.zeros(future.shape, dtype=q.dtype, device=x.device)
+                causal_bias.masked_fill_(future, torch.finfo(q.dtype).min)
+                bias, causal = (causal_bias if bias is None else bias + causal_bias), False
         else:
             q, k, v = self._heads(self.qkv_proj(x), 3)
             if rope is not None:
