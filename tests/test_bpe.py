@@ -105,6 +105,13 @@ def test_train_from_files_tsv_and_gz(tmp_path):
     assert tok.decode(tok.encode("Noch ein Satz.")) == "Noch ein Satz."
 
 
+def test_a_byte_order_mark_is_not_learnt(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(("\ufeff" + "\n".join(CORPUS) + "\n").encode())
+    tok = train_bpe([corpus], vocab_size=150, min_frequency=1)
+    assert not any("\ufeff" in t for t in tok.backend.get_vocab())
+
+
 def test_errors(tmp_path):
     with pytest.raises(AttnlabError, match="not found"):
         train_bpe([tmp_path / "missing.txt"], 100)

@@ -16,6 +16,7 @@ from attnlab.text.parallel import (
     ParallelText,
     TokenBatches,
     collate,
+    decode_lines,
     encode_pairs,
     read_parallel,
 )
@@ -57,6 +58,19 @@ def test_read_gzip_and_tsv(tmp_path):
     pairs = read_parallel([tmp_path / "p.tsv"])
     assert pairs.src == ["Guten Tag.", "今天"] and pairs.tgt == ["Good day.", "Today"]
     assert pairs.skipped == 2
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    # Windows editors start a UTF-8 file with U+FEFF; it must not stick to the first word.
+    (tmp_path / "s.de").write_bytes("\ufeffZwei Hunde.\r\nEin Mann.\r\n".encode())
+    (tmp_path / "t.en").write_bytes("\ufeffTwo dogs.\nA man.\n".encode())
+    pairs = read_parallel([tmp_path / "s.de", tmp_path / "t.en"])
+    assert pairs.src == ["Zwei Hunde.", "Ein Mann."] and pairs.tgt == ["Two dogs.", "A man."]
+    with gzip.open(tmp_path / "p.tsv.gz", "wb") as f:
+        f.write("\ufeffZwei Hunde.\tTwo dogs.\n".encode())
+    assert read_parallel([tmp_path / "p.tsv.gz"]).src == ["Zwei Hunde."]
+    # standard input (PowerShell pipes add one) and only at the start of the text
+    assert decode_lines("\ufeffa\n\ufeffb\n".encode(), "stdin") == ["a", "\ufeffb"]
 
 
 def test_read_errors(tmp_path):

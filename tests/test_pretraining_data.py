@@ -84,6 +84,12 @@ def test_read_documents_line_per_document_layout(tmp_path: Path) -> None:
     assert list(read_documents(path)) == [["标题一。", "副标题！"], ["Second headline"]]
 
 
+def test_read_documents_drops_a_byte_order_mark(tmp_path: Path) -> None:
+    path = tmp_path / "bom.txt"
+    path.write_bytes("\ufeff第一句。\n\ufeff第二句。\n".encode())
+    assert list(read_documents(path)) == [["第一句。"], ["\ufeff第二句。"]]  # the file's start only
+
+
 def test_read_documents_names_the_bad_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.txt"
     path.write_bytes(b"fine line\n" + b"broken \xff byte\n")

@@ -1,8 +1,10 @@
-"""Safe file output: atomic writes, and output directories that are never silently overwritten."""
+"""Safe file input and output: text read line by line with errors that name the line, atomic
+writes, and output directories that are never silently overwritten."""
 
 from __future__ import annotations
 
 import glob
+import gzip
 import math
 import os
 import re
@@ -83,6 +85,34 @@ def check_input_file(path: Path, what: str = "file") -> Path:
     if not path.is_file():
         raise AttnlabError(f"{what} {path} not found")
     return path
+
+
+def text_lines(path: Path, what: str = "") -> Iterator[str]:
+    """Yield the lines of a UTF-8 text file (.gz too), endings kept, without a byte-order mark.
+
+    Lines are decoded one by one so that an error names the line; ``what`` ("corpus file ")
+    goes before the path in an error about reading the file. A byte-order mark, which Windows
+    editors put at the start of a file, is not text: left in, it would stick to the first word.
+    """
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as stream:
+            for number, raw in enumerate(stream, start=1):
+                yield decode_line(raw, path, number)
+    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
+        raise AttnlabError(f"cannot read {what}{path}: {error}") from error
+
+
+def decode_line(raw: bytes, source: str | Path, number: int) -> str:
+    """Line `number` (from 1) of source as text; not UTF-8 is an error naming the line and byte."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise AttnlabError(
+            f"{source}, line {number}: not valid UTF-8 "
+            f"(byte {raw[error.start]:#04x} at column {error.start + 1})"
+        ) from error
+    return line.removeprefix("\ufeff") if number == 1 else line
 
 
 def _default_mode() -> int:

@@ -10,7 +10,6 @@ little of the budget is padding. §3 / figure 1 ("outputs (shifted right)"): the
 
 from __future__ import annotations
 
-import gzip
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 from torch import Tensor
 
 from attnlab.errors import AttnlabError
-from attnlab.io import check_input_file
+from attnlab.io import check_input_file, decode_line, text_lines
 
 Batch = dict[str, Any]  # keyword arguments of the model: src_ids, tgt_in, tgt_out
 
@@ -39,14 +38,7 @@ class ParallelText:
 
 def read_text_lines(path: Path) -> list[str]:
     """Lines of a UTF-8 text file (.gz allowed), without line endings; errors name the line."""
-    path = check_input_file(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as stream:
-            data = stream.read()
-    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
-        raise AttnlabError(f"cannot read {path}: {error}") from error
-    return decode_lines(data, str(path))
+    return [line.removesuffix("\n").rstrip("\r") for line in text_lines(check_input_file(path))]
 
 
 def decode_lines(data: bytes, source: str) -> list[str]:
@@ -54,13 +46,7 @@ def decode_lines(data: bytes, source: str) -> list[str]:
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
-    out = []
-    for number, raw in enumerate(lines, 1):
-        try:
-            out.append(raw.decode("utf-8").rstrip("\r"))
-        except UnicodeDecodeError:
-            raise AttnlabError(f"{source}, line {number}: not valid UTF-8") from None
-    return out
+    return [decode_line(raw, source, number).rstrip("\r") for number, raw in enumerate(lines, 1)]
 
 
 def read_parallel(paths: Sequence[str | Path]) -> ParallelText:

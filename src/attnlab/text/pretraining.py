@@ -34,6 +34,7 @@ import tokenizers
 from tqdm import tqdm
 
 from attnlab.errors import AttnlabError
+from attnlab.io import text_lines
 from attnlab.text.tokenizer import BertTokenizer
 
 OBJECTIVES = ("mlm", "mlm+nsp", "mlm+sop")
@@ -137,20 +138,8 @@ def _has_blank_separator(path: Path) -> bool:
 
 
 def _read_lines(path: Path) -> Iterator[str]:
-    """Yield the lines of a file as text, naming the line of any non-UTF-8 byte."""
-    try:
-        with _open_binary(path) as stream:
-            for line_number, raw in enumerate(stream, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as error:
-                    raise AttnlabError(
-                        f"{path}, line {line_number}: not valid UTF-8 "
-                        f"(byte {raw[error.start]:#04x} at column {error.start + 1})"
-                    ) from error
-                yield line
-    except (OSError, EOFError) as error:
-        raise AttnlabError(f"cannot read corpus file {path}: {error}") from error
+    """Yield the lines of a corpus file as text (io.text_lines)."""
+    return text_lines(path, "corpus file ")
 
 
 # ---- tokenized corpus ----------------------------------------------------------------------

@@ -10,7 +10,6 @@ token for token, truncation included (its `longest_first` strategy), which the t
 
 from __future__ import annotations
 
-import gzip
 import json
 import threading
 from collections import Counter
@@ -30,7 +29,7 @@ from tokenizers import (
 )
 
 from attnlab.errors import AttnlabError
-from attnlab.io import check_input_file, write_text_atomic
+from attnlab.io import check_input_file, text_lines, write_text_atomic
 
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 # The order also fixes the ids of a newly trained vocabulary: [PAD]=0 ... [MASK]=4.
@@ -651,22 +650,10 @@ def _corpus_batches(paths: list[Path], batch_size: int = 1000) -> Iterator[list[
     """Yield the corpus lines in batches, raising AttnlabError at the first non-UTF-8 line."""
     batch: list[str] = []
     for path in paths:
-        # Decode line by line ourselves: the error can then name the line.
-        opener = gzip.open if path.suffix == ".gz" else open
-        try:
-            with opener(path, "rb") as stream:
-                for line_number, raw in enumerate(stream, start=1):
-                    try:
-                        batch.append(raw.decode("utf-8"))
-                    except UnicodeDecodeError as error:
-                        raise AttnlabError(
-                            f"{path}, line {line_number}: not valid UTF-8 "
-                            f"(byte {raw[error.start]:#04x} at column {error.start + 1})"
-                        ) from error
-                    if len(batch) == batch_size:
-                        yield batch
-                        batch = []
-        except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
-            raise AttnlabError(f"cannot read corpus file {path}: {error}") from error
+        for line in text_lines(path, "corpus file "):
+            batch.append(line)
+            if len(batch) == batch_size:
+                yield batch
+                batch = []
     if batch:
         yield batch
