@@ -348,6 +348,31 @@ def test_results_json_is_strict_json_when_a_score_is_undefined(tiny_dir, tmp_pat
     assert results["final"]["eval"]["pearson"] is None
 
 
+def test_a_dev_score_undefined_at_every_evaluation_keeps_the_last_model(tiny_dir, tmp_path, capsys):
+    # No evaluation gives a best model when every dev score is NaN (equal gold scores):
+    # results.json and the summary said the last step's model was kept, but --out held none.
+    rows = (DATA / "sts.csv").read_text().splitlines()
+    flat = [rows[0], *(",".join([*row.rsplit(",", 1)[:1], "3.0"]) for row in rows[1:])]
+    dev = write(tmp_path / "flat.csv", "\n".join(flat) + "\n")
+    out = tmp_path / "sts"
+    code, stdout, err = run(
+        capsys, "finetune", "--task", "regress", "--model", tiny_dir, "--train", DATA / "sts.csv",
+        "--dev", dev, "--text-column", "sentence1", "--text-pair-column", "sentence2",
+        "--label-column", "score", "--out", out, "--steps", "2", "--batch-size", "4", *FAST,
+    )  # fmt: skip
+    assert code == 0, err
+    assert json.loads(stdout)["kept"] == "last step"
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    # the model kept is the last step's: its weights are those of the final checkpoint
+    saved = load_finetuned(out).model.state_dict()
+    last = load_file(out / "checkpoints" / "step-2" / "model.safetensors")
+    assert set(last) == set(saved)
+    for name, tensor in last.items():
+        torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0)
+    code, stdout, err = run(capsys, "evaluate", "--model", out, "--data", DATA / "sts.csv")
+    assert code == 0, err
+
+
 def test_regress_pairs_end_to_end(tiny_dir, tmp_path, capsys):
     from scipy.stats import pearsonr, spearmanr
 

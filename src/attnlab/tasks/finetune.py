@@ -733,9 +733,11 @@ def finetune(opts: FinetuneOptions) -> dict[str, Any]:
     )
     summary = trainer.fit()
     if rank == 0:
-        if run.evaluate is None:  # no dev set: the model kept is the last one
-            _save(run, opts, run.model.eval(), stage)
         best = summary.get("best")
+        # No dev set, or no dev score that could pick a model (NaN at every evaluation, as
+        # for a correlation of equal scores): the model kept is the last one.
+        if not best:
+            _save(run, opts, run.model.eval(), stage)
         results = {
             "task": opts.task,
             "kept": "best dev" if best else "last step",
