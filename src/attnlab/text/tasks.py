@@ -17,7 +17,6 @@ Everything here is a pure function of its inputs; nothing trains or prints.
 from __future__ import annotations
 
 import csv
-import gzip
 import json
 import math
 import re
@@ -29,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from attnlab.errors import AttnlabError
-from attnlab.io import check_input_file
+from attnlab.io import check_input_file, text_lines
 from attnlab.text.tokenizer import UNK, BertTokenizer
 
 # Label id that PyTorch's cross-entropy ignores: special tokens and non-first sub-tokens.
@@ -49,23 +48,8 @@ def _existing_file(path: str | Path) -> Path:
 
 
 def _lines(path: Path) -> Iterator[str]:
-    """Yield the decoded lines of a UTF-8 file (.gz allowed), line endings kept."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as stream:
-            for number, raw in enumerate(stream, start=1):
-                # Decode line by line ourselves so that an error can name the line.
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as error:
-                    raise AttnlabError(
-                        f"{path}, line {number}: not valid UTF-8 "
-                        f"(byte {raw[error.start]:#04x} at column {error.start + 1})"
-                    ) from error
-                # A byte-order mark would otherwise stick to the first column's name.
-                yield line.removeprefix("\ufeff") if number == 1 else line
-    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
-        raise AttnlabError(f"cannot read {path}: {error}") from error
+    """Yield the decoded lines of a UTF-8 file (.gz allowed), line endings kept (io.text_lines)."""
+    return text_lines(path)
 
 
 def _read_json(path: Path) -> object:
