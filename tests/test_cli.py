@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -305,6 +306,32 @@ def test_embed_truncates_over_long_input_with_a_warning(cli, tiny_dir):
     kept = " ".join(["word"] * (TINY_MAX_POSITIONS - 2))
     _, reference, _ = cli("embed", "--model", tiny_dir, stdin=text_lines([kept]))
     assert max_diff(vectors[1], torch.tensor(json_lines(reference)[0])) <= 1e-5
+
+
+def test_embed_cuts_where_sentence_transformers_does(cli, minilm_dir, hf_minilm, hf_tokenizer):
+    # all-MiniLM-L6-v2's sentence_bert_config.json says max_seq_length 256 (positions: 512):
+    # sentence-transformers' encode() cuts there, so the default must too.
+    long_line = " ".join(f"word{i % 50}" for i in range(200))  # two tokens a word
+    assert 300 < len(hf_tokenizer(long_line)["input_ids"]) <= 512
+    stdin = text_lines([long_line])
+    code, by_default, err = cli("embed", "--model", minilm_dir, stdin=stdin)
+    assert code == 0 and "longer than 256 tokens were truncated" in err
+    _, at_512, _ = cli("embed", "--model", minilm_dir, "--max-length", 512, stdin=stdin)
+    for out, max_length in ((by_default, 256), (at_512, 512)):  # an explicit flag still wins
+        batch = hf_tokenizer([long_line], truncation=True, max_length=max_length,
+                             return_tensors="pt")  # fmt: skip
+        with torch.no_grad():
+            expected = hf_mean(hf_minilm(**batch).last_hidden_state, batch["attention_mask"])
+        assert max_diff(json_lines(out), expected) <= TOLERANCE
+
+
+def test_embed_refuses_a_broken_sentence_transformers_config(cli, tiny_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    for text, fragment in (("[256]", "not a valid"), ('{"max_seq_length": 1.5}', "at least 2")):
+        (model / "sentence_bert_config.json").write_text(text)
+        result = cli("embed", "--model", model, stdin=text_lines(["a b"]))
+        assert_one_error(*result, "sentence_bert_config.json", fragment)
 
 
 def test_tokenize_truncates_over_long_input_with_a_warning(cli, tiny_dir):

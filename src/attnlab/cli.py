@@ -161,11 +161,16 @@ def cmd_embed(args: argparse.Namespace) -> None:
     """Input lines -> one JSON array (vector, or per-token vectors) per line, in input order."""
     import torch
 
+    from attnlab.interop.hf import sentence_max_length
     from attnlab.tasks.embed import embed
 
     model, tokenizer = _load(args.model)  # before stdin: a bad --model must not wait for input
+    limit = model.config.max_positions
+    if args.max_length is None:  # a sentence-transformers folder's own length, as its encode()
+        max_length = min(sentence_max_length(Path(args.model)) or limit, limit)
+    else:
+        max_length = _max_length(args.max_length, limit)
     lines = read_lines(args.input)
-    max_length = _max_length(args.max_length, model.config.max_positions)
     dtype = {"fp32": None, "bf16": torch.bfloat16}[args.dtype]
     vectors = embed(
         model,
@@ -710,7 +715,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--normalize", action="store_true", help="L2-normalise each vector")
     sub.add_argument("--batch-size", type=int, default=128, help="most sentences per batch")
     sub.add_argument("--batch-tokens", type=int, default=2048, help="most padded tokens per batch")
-    sub.add_argument("--max-length", type=int)
+    sub.add_argument(
+        "--max-length",
+        type=int,
+        help="(default: a sentence-transformers folder's max_seq_length, else the model's maximum)",
+    )
     sub.add_argument("--no-truncate", action="store_true", help="over-long input is an error")
     sub.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
 

@@ -296,6 +296,28 @@ def read_config(path: Path) -> BertConfig:
     return config_from_hf(data, str(config_file))
 
 
+def sentence_max_length(path: Path) -> int | None:
+    """max_seq_length of a sentence-transformers folder (sentence_bert_config.json), else None.
+
+    sentence-transformers truncates to this length (256 for all-MiniLM-L6-v2, whose positions
+    go to 512), so embeddings of longer texts match its ``encode`` only when cut there too.
+    """
+    file = Path(path) / "sentence_bert_config.json"
+    if not file.is_file():
+        return None
+    try:
+        value = json.loads(file.read_text(encoding="utf-8")).get("max_seq_length")
+    except (ValueError, RecursionError, AttributeError) as err:  # AttributeError: not an object
+        raise AttnlabError(f"{file}: not a valid sentence-transformers config ({err})") from None
+    if value is None:
+        return None
+    if type(value) is not int or value < 2:
+        raise AttnlabError(
+            f"{file}: max_seq_length must be an integer of at least 2, got {value!r}"
+        )
+    return value
+
+
 def check_vocabulary(path: Path, tokenizer_size: int, config: BertConfig) -> None:
     """Refuse a tokenizer with more tokens than the model's embedding table has rows."""
     if tokenizer_size > config.vocab_size:  # else an IndexError deep in the embedding
