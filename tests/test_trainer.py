@@ -610,6 +610,33 @@ def test_max_seconds_stops_with_a_checkpoint_and_a_resume_continues(tmp_path: Pa
     assert rows[-1]["elapsed_s"] >= 1.0
 
 
+def test_a_clock_running_out_during_an_evaluation_still_ends_with_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # The limit passes while step 2's evaluation runs (after step 2 was found in time).
+    # Before, the loop's own check then ended training at once: no final row, evaluation or
+    # checkpoint (none at all here), and a resume would redo the steps.
+    slept: list[bool] = []
+
+    def evaluate(model: nn.Module) -> dict[str, float]:
+        if not slept:
+            slept.append(True)
+            time.sleep(1.0)
+        return {"score": 1.0}
+
+    seed_everything(0)
+    config = TrainConfig(
+        out_dir=tmp_path / "run", steps=200, log_every=5, eval_every=2, save_every=0,
+        max_seconds=1.0, progress=False, device="cpu",
+    )  # fmt: skip
+    summary = Trainer(TinyClassifier(), TensorBatches(make_data(), 8), config, evaluate).fit()
+    step = summary["step"]
+    assert step == 3  # the step after the evaluation finds the clock out and ends the run
+    assert summary["checkpoint"] == str(tmp_path / "run" / "checkpoints" / f"step-{step}")
+    rows = read_rows(tmp_path / "run" / "metrics.jsonl")
+    assert [(r["step"], bool(r.get("eval"))) for r in rows] == [(2, True), (3, False), (3, True)]
+
+
 def test_steps_within_a_time_limit() -> None:
     assert steps_within(10_000, 10, 10.0, 60.0, 2.0) == 110  # 50 s left at 2 steps/s
     assert steps_within(50, 10, 10.0, 60.0, 2.0) == 50  # the step count ends it first

@@ -282,12 +282,16 @@ class Trainer:
         try:
             with _sigterm_as_interrupt(), self._embedding_grads or contextlib.nullcontext():
                 self.model.train()
-                while self.step < cfg.steps and not self._out_of_time():
+                # Decided once a step: a clock that runs out during the logging, evaluation or
+                # saving after a step would otherwise end the loop with no final checkpoint.
+                stop = self.step >= cfg.steps or self._out_of_time()
+                while not stop:
                     values, tokens = self._train_step(data)
                     self.step += 1
                     self._window.add(values, tokens)
                     bar.update(1)
-                    self._after_step(bar, final=self.step == cfg.steps or self._out_of_time())
+                    stop = self.step == cfg.steps or self._out_of_time()
+                    self._after_step(bar, final=stop)
         finally:
             bar.close()
         if self.is_main:
