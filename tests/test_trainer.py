@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import multiprocessing
@@ -506,6 +507,38 @@ def test_on_best_is_called_exactly_when_the_tracked_metric_improves(tmp_path: Pa
     assert [r["step"] for r in evals if r.get("best")] == [r["step"] for r in expected]
     assert summary["best"]["step"] == expected[-1]["step"]
     assert summary["best"]["loss"] == min(r["loss"] for r in evals)
+
+
+def test_tokens_per_s_of_a_row_leaves_out_evaluation_and_checkpoint_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # metrics.jsonl's tokens_per_s counts training time only (fit()): before, the window
+    # after an evaluation or a checkpoint started before them, so its row counted their
+    # time too (here 0.5 s each against a few milliseconds of training).
+    from attnlab.train import trainer as trainer_module
+
+    real_save = trainer_module.save_checkpoint
+
+    def slow_save(*args, **kwargs):
+        time.sleep(0.5)
+        return real_save(*args, **kwargs)
+
+    def slow_evaluate(model: nn.Module) -> dict[str, float]:
+        time.sleep(0.5)
+        return {"score": 1.0}
+
+    monkeypatch.setattr(trainer_module, "save_checkpoint", slow_save)
+    seed_everything(0)
+    config = TrainConfig(
+        out_dir=tmp_path / "run", steps=6, log_every=2, eval_every=2, save_every=3,
+        progress=False, device="cpu",
+    )  # fmt: skip
+    Trainer(TinyClassifier(), TensorBatches(make_data(), 8), config, slow_evaluate).fit()
+    rows = [r for r in read_rows(tmp_path / "run" / "metrics.jsonl") if not r.get("eval")]
+    assert [r["step"] for r in rows] == [2, 4, 6]  # 4: after step 2's evaluation, step 3's save
+    for before, row in itertools.pairwise(rows):
+        seconds = (row["tokens"] - before["tokens"]) / row["tokens_per_s"]
+        assert seconds < 0.5, row
 
 
 def test_eval_at_start_scores_step_0_once_and_changes_no_training(tmp_path: Path) -> None:

@@ -333,10 +333,12 @@ class Trainer:
             bar.set_postfix(
                 loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}"
             )
+        paused = time.perf_counter()
         if self.evaluate is not None and (final or _due(self.step, cfg.eval_every)):
             self._run_evaluation()
         if final or _due(self.step, cfg.save_every):
             self._save()
+        self._window.started += time.perf_counter() - paused  # tokens/s: training time only
 
     def _train_step(self, data: Iterator[Batch]) -> tuple[dict[str, Tensor], int]:
         """One optimiser step over grad_accum micro-batches: (mean values, tokens read)."""
