@@ -541,6 +541,28 @@ def test_tokens_per_s_of_a_row_leaves_out_evaluation_and_checkpoint_time(
         assert seconds < 0.5, row
 
 
+def test_tokens_per_s_of_a_row_resumed_mid_window_counts_the_time_before_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # The checkpoint of step 2 falls inside the window logged at step 4: the resumed run
+    # restores the window's tokens of steps 1-2, and must restore their seconds too (before,
+    # its row divided four steps' tokens by the two steps' time after the resume: 2x).
+    def run(steps: int, resume: bool = False) -> None:
+        seed_everything(0)
+        config = TrainConfig(
+            out_dir=tmp_path / "run", steps=steps, log_every=4, save_every=2,
+            progress=False, device="cpu", resume=resume,
+        )  # fmt: skip
+        Trainer(TinyClassifier(), _SlowBatches(make_data(), 8, seed=1), config).fit()
+
+    run(steps=3)  # its checkpoint of step 2, and a final one of step 3 (deleted: resume at 2)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-3")
+    run(steps=4, resume=True)
+    (row,) = read_rows(tmp_path / "run" / "metrics.jsonl")
+    assert row["step"] == 4
+    assert row["tokens"] / row["tokens_per_s"] >= 4 * 0.05  # four batches of 50 ms each
+
+
 def test_eval_at_start_scores_step_0_once_and_changes_no_training(tmp_path: Path) -> None:
     train(tmp_path / "plain", steps=8)
     start = tmp_path / "start"

@@ -154,6 +154,11 @@ class _Window:
     steps: int = 0
     tokens: int = 0
     started: float = dataclasses.field(default_factory=time.perf_counter)
+    resumed_s: float = 0.0  # its training seconds before the checkpoint this run resumed
+
+    def seconds(self) -> float:
+        """Training seconds since the last row, those before a resume included."""
+        return self.resumed_s + time.perf_counter() - self.started
 
     def add(self, values: dict[str, Tensor], tokens: int) -> None:
         """Add one optimiser step's values."""
@@ -333,12 +338,16 @@ class Trainer:
             bar.set_postfix(
                 loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}"
             )
-        paused = time.perf_counter()
         if self.evaluate is not None and (final or _due(self.step, cfg.eval_every)):
-            self._run_evaluation()
+            self._off_the_clock(self._run_evaluation)
         if final or _due(self.step, cfg.save_every):
-            self._save()
-        self._window.started += time.perf_counter() - paused  # tokens/s: training time only
+            self._off_the_clock(self._save)
+
+    def _off_the_clock(self, action: Callable[[], None]) -> None:
+        """Run action, its time left out of the logging window's (tokens/s: training time only)."""
+        began = time.perf_counter()
+        action()
+        self._window.started += time.perf_counter() - began
 
     def _train_step(self, data: Iterator[Batch]) -> tuple[dict[str, Tensor], int]:
         """One optimiser step over grad_accum micro-batches: (mean values, tokens read)."""
@@ -407,7 +416,7 @@ class Trainer:
         )
         window_tokens = int(tokens.item())
         self.tokens_seen += window_tokens
-        seconds = max(time.perf_counter() - window.started, 1e-9)
+        seconds = max(window.seconds(), 1e-9)
         row: dict[str, Any] = {
             "step": self.step,
             "loss": averages.pop("loss"),
@@ -533,6 +542,7 @@ class Trainer:
             }
             self._window.steps = window["steps"]
             self._window.tokens = window["tokens"] if keep else 0
+            self._window.resumed_s = float(window.get("seconds", 0.0))  # tokens/s of its row
             self.step = state["step"]
             self.tokens_seen = state["tokens_seen"]
             self._elapsed_before = state["elapsed_s"]
@@ -574,7 +584,12 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(),
                 "data": data,
                 "rng": rng,
-                "window": {"sums": sums, "steps": window.steps, "tokens": int(tokens)},
+                "window": {
+                    "sums": sums,
+                    "steps": window.steps,
+                    "tokens": int(tokens),
+                    "seconds": window.seconds(),
+                },
                 "tokens_seen": self.tokens_seen,
                 "elapsed_s": self._elapsed(),
                 "world_size": self.world_size,
