@@ -114,6 +114,25 @@ def test_adamw_groups_exclude_biases_and_layernorm_and_count_tied_weights_once()
     assert model.mlm.word_embeddings.weight is model.bert.embeddings.word_embeddings.weight
 
 
+@pytest.mark.parametrize("encoding", ["learned", "relative_bias", "rope"])
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+def test_adamw_decays_exactly_what_hf_trainer_decays(encoding: str, norm_position: str) -> None:
+    # HF's Trainer (and BERT's optimizer) skip every parameter named "bias" or "LayerNorm".
+    # Before, the rule was by shape alone and decayed relative_bias's 2-D bias table.
+    from transformers import Trainer as HFTrainer
+
+    config = BertConfig(
+        vocab_size=40, d_model=16, n_layers=1, n_heads=2, d_ff=32,
+        position_encoding=encoding, norm_position=norm_position,
+    )  # fmt: skip
+    model = BertForPreTraining(config)
+    decay, no_decay = build_optimizer(model, lr=1e-4).param_groups
+    hf_names = set(HFTrainer.get_decay_parameter_names(None, model))  # self is unused
+    hf_decay = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in hf_names}
+    assert {id(p) for p in decay["params"]} == hf_decay
+    assert {id(p) for p in no_decay["params"]} == {id(p) for p in model.parameters()} - hf_decay
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_adamw_steps_follow_the_decoupled_weight_decay_formula(fused: bool) -> None:
     # Loshchilov & Hutter's AdamW, written out: decay p by lr*wd, then the bias-corrected

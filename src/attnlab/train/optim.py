@@ -28,14 +28,17 @@ SCHEDULES = ("linear", "inverse_sqrt", "constant")
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Split parameters into a decayed group (matrices) and an undecayed one (biases, LayerNorm).
 
-    BERT excludes parameters named "bias" or "LayerNorm"; on attnlab models those are exactly
-    the 1-D parameters, so the rule is by shape and needs no naming convention. Embedding
-    matrices are 2-D and decayed, as in BERT. ``named_parameters`` yields a tied tensor once.
+    BERT (and HF's Trainer) exclude parameters whose name contains "bias" or "LayerNorm". On
+    attnlab models the LayerNorm weights and the biases of linear layers are the 1-D
+    parameters; the one 2-D bias is the relative position-bias table (``positions.bias``,
+    an embedding of per-head biases added to the attention scores), excluded by its name as
+    those rules do. Embedding matrices are 2-D and decayed, as in BERT.
+    ``named_parameters`` yields a tied tensor once.
     """
     decay, no_decay = [], []
-    for _, param in model.named_parameters():
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            (decay if param.ndim >= 2 and "bias" not in name else no_decay).append(param)
     groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

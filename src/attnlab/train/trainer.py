@@ -178,7 +178,7 @@ class Trainer:
     ``config.best_metric`` set, ``on_best(model, metrics)`` is called (rank 0) after each
     evaluation that improves that metric, e.g. to keep the best dev model.
     ``optimizer`` / ``scheduler`` default to those the config names (AdamW decays the weights
-    of 2-D and larger parameters only: train/optim.py: decay_groups). Under torchrun the
+    of 2-D and larger parameters but no biases: train/optim.py: decay_groups). Under torchrun the
     model is wrapped in DistributedDataParallel and each rank reads its own shard of batches;
     only rank 0 writes files or shows progress.
 
