@@ -320,3 +320,32 @@ def test_malformed_classifier_checkpoints_are_named_not_tracebacks(tmp_path):
     edit_weights(folder, lambda state: state.pop("classifier.weight"))  # was a KeyError
     with pytest.raises(AttnlabError, match=r"classifier head holds bias, not weight and bias"):
         load_task_model(folder, "classify")
+
+
+# ---- fill-mask --------------------------------------------------------------------------------
+
+
+def test_fill_mask_matches_hf_pipeline_when_the_model_has_more_rows_than_the_tokenizer(tmp_path):
+    # Checkpoints often pad vocab_size past their vocab.txt (to a multiple of 8, say); HF's
+    # pipeline ranks every row and shows one with no token as "": fill_mask raised instead.
+    from attnlab.tasks.pretrain import fill_mask
+    from attnlab.text.tokenizer import BertTokenizer
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "."]
+    tokenizer = BertTokenizer.from_vocab({w: i for i, w in enumerate([*words, "##s", "a"])})
+    hf = randomized(transformers.BertForMaskedLM(hf_config(vocab_size=tokenizer.vocab_size + 3)))
+    with torch.no_grad():
+        hf.cls.predictions.bias[tokenizer.vocab_size :] += 3.0  # the rows past the tokenizer lead
+    folder = saved(hf, tmp_path / "mlm")
+    tokenizer.save(folder)
+    text = "the [MASK] sat on the [MASK] ."
+    pipe = transformers.pipeline("fill-mask", model=str(folder), top_k=hf.config.vocab_size)
+    expected = [[(p["token_str"], p["score"]) for p in mask] for mask in pipe(text)]
+    assert any(token == "" for token, _ in expected[0][:3])
+    model = load_bert(folder, heads=True, trained_heads=True)
+    ours = fill_mask(model, BertTokenizer.from_dir(folder), text, top_k=hf.config.vocab_size)
+    assert [[token for token, _ in mask] for mask in ours] == [
+        [token for token, _ in mask] for mask in expected
+    ]
+    for mask, reference in zip(ours, expected, strict=True):
+        assert max(abs(p - q) for (_, p), (_, q) in zip(mask, reference, strict=True)) < TOL

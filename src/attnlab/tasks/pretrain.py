@@ -637,6 +637,9 @@ def fill_mask(
 ) -> list[list[tuple[str, float]]]:
     """For each [MASK] in text, the top_k (token, probability) predictions of the MLM head.
 
+    Probabilities are over every row of the model's vocabulary, as in HF's fill-mask
+    pipeline; a row past the tokenizer's tokens is shown as the token "".
+
     A text longer than the model's positions is cut to them (on_truncate gets its length in
     tokens); a [MASK] that the cut would drop is an error. The model runs in evaluation mode
     (no dropout) and is left in the mode it came in.
@@ -668,7 +671,13 @@ def fill_mask(
         hidden = model.bert(ids, token_type_ids=torch.tensor([enc.type_ids])).last_hidden_state
         probs = torch.softmax(model.mlm(hidden[0, positions]).float(), dim=-1)
     top = probs.topk(min(top_k, probs.shape[-1]), dim=-1)
+    # A model may have more rows than its tokenizer has tokens (vocab_size padded past
+    # vocab.txt); such a row has no token, shown as "" as in HF's fill-mask pipeline.
+    known = tokenizer.vocab_size
     return [
-        list(zip(tokenizer.convert_ids_to_tokens(idx.tolist()), p.tolist(), strict=True))
+        [
+            (tokenizer.convert_ids_to_tokens([i])[0] if i < known else "", prob)
+            for i, prob in zip(idx.tolist(), p.tolist(), strict=True)
+        ]
         for p, idx in zip(top.values, top.indices, strict=True)
     ]
