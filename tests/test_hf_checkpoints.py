@@ -349,3 +349,30 @@ def test_fill_mask_matches_hf_pipeline_when_the_model_has_more_rows_than_the_tok
     ]
     for mask, reference in zip(ours, expected, strict=True):
         assert max(abs(p - q) for (_, p), (_, q) in zip(mask, reference, strict=True)) < TOL
+
+
+def test_a_trained_pooler_beside_a_masked_lm_head_is_kept(tmp_path):
+    # transformers before 3.1 saved BertForMaskedLM with its pooler (no NSP head); loading it
+    # with heads dropped the pooler, so an export held none and HF's BertModel (or a
+    # sequence classifier) built from the export started from a random pooler.
+    hf = randomized(transformers.BertForPreTraining(hf_config()))
+    folder = saved(hf, tmp_path / "old-mlm")
+    edit_weights(folder, lambda state: [state.pop(k) for k in list(state) if ".seq_rel" in k])
+    edit_config(folder, architectures=["BertForMaskedLM"])
+    model = load_bert(folder, heads=True, trained_heads=True)
+    assert model.nsp is None
+    save_bert(model, tmp_path / "export")
+    inputs = batch()
+    pooled = {}
+    for name in ("old-mlm", "export"):
+        encoder, info = transformers.BertModel.from_pretrained(
+            str(tmp_path / name), output_loading_info=True
+        )
+        assert not info["missing_keys"], name
+        with torch.no_grad():
+            pooled[name] = encoder.eval()(**inputs).pooler_output
+    assert max_diff(pooled["export"], pooled["old-mlm"]) < TOL
+    assert (
+        max_diff(mlm_logits(model, inputs), hf_mlm_logits(folder, inputs), inputs["attention_mask"])
+        < TOL
+    )

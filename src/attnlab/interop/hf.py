@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.io import staged_dir, write_text_atomic, write_with_atomic
-from attnlab.models.bert import BertForPreTraining, BertModel, count_parameters
+from attnlab.models.bert import BertForPreTraining, BertModel, BertPooler, count_parameters
 from attnlab.models.heads import PROBLEM_TYPES
 
 HF_ACTIVATIONS = {
@@ -465,6 +465,10 @@ def load_bert(
     if heads:
         state = _tied_mlm_head(_normalise_hf_names(state), _read_config_json(path), path)
         model: nn.Module = BertForPreTraining(config, sentence_head=has_sentence_head)
+        if has_pooler and model.bert.pooler is None:
+            # A trained pooler without an NSP head (transformers before 3.1 saved
+            # BertForMaskedLM so): kept, so that an export or classifier still has it.
+            model.bert.pooler = BertPooler(config)
     else:
         model = BertModel(config, add_pooler=has_pooler)
     _load_checked(model, bert_state_from_hf(state, model), path)

@@ -351,7 +351,7 @@ def build_model(opts: PretrainOptions, tokenizer: BertTokenizer) -> BertForPreTr
             )
         if sentence_head and model.nsp is None:  # a masked-LM-only checkpoint: add the head
             grown = BertForPreTraining(model.config, sentence_head=True)
-            grown.load_state_dict(model.state_dict(), strict=False)  # pooler and head fresh
+            grown.load_state_dict(model.state_dict(), strict=False)  # NSP (pooler) fresh
             model = grown
         heads = [("cls.predictions", "masked-LM")]
         heads += [("cls.seq_relationship", "sentence (NSP/SOP)")] if sentence_head else []
@@ -370,7 +370,7 @@ def build_model(opts: PretrainOptions, tokenizer: BertTokenizer) -> BertForPreTr
                 f"--seq-len {opts.seq_len} is above the model's max positions "
                 f"({model.config.max_positions})"
             )
-        if not sentence_head and model.nsp is not None:
+        if not sentence_head:  # a trained pooler may come without an NSP head: drop it too
             model.nsp, model.bert.pooler = None, None
         return model.train()
     config = BertConfig.preset(
