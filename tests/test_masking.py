@@ -298,3 +298,18 @@ def test_mask_tokens_functional_core() -> None:
     assert torch.equal(corrupted[~maskable], input_ids[~maskable])
     with pytest.raises(AttnlabError, match="one generator"):
         mask_tokens(input_ids, maskable, [torch.Generator()], MASK, torch.arange(5))
+
+
+def test_the_count_rounds_n_times_p_as_python_does() -> None:
+    # google: max(1, int(round(n * p))) with n * p in double precision. In float32, 190 * 0.15
+    # is 28.500002 and rounded to 29 (Python: 28.499999999999996, so 28); likewise 350, 390.
+    lengths = list(range(1, 513))
+    rows, seq = len(lengths), max(lengths)
+    ids = torch.full((rows, seq), 1000, dtype=torch.long)
+    maskable = torch.arange(seq)[None, :] < torch.tensor(lengths)[:, None]
+    for p in (0.15, 0.3):
+        _, labels = mask_tokens(
+            ids, maskable, torch.Generator().manual_seed(0), MASK, torch.arange(999, 2000), p
+        )
+        counts = (labels != IGNORE_INDEX).sum(dim=1).tolist()
+        assert counts == [max(1, round(n * p)) for n in lengths]

@@ -70,8 +70,9 @@ def mask_tokens(
 
     n_maskable = maskable.sum(dim=1)
     # google: round(n * p), at least one, at most max_predictions; here n counts maskable
-    # tokens only, so [CLS] and [SEP] do not inflate the rate.
-    n_predict = torch.clamp(torch.round(n_maskable * mask_prob), min=1)
+    # tokens only, so [CLS] and [SEP] do not inflate the rate. In double precision, as
+    # Python's round: in float32, 190 * 0.15 is 28.5 and rounds to 29, not google's 28.
+    n_predict = torch.clamp(torch.round(n_maskable.double() * mask_prob), min=1)
     if max_predictions is not None:
         n_predict = torch.clamp(n_predict, max=max_predictions)
     n_predict = torch.minimum(n_predict, n_maskable).long()
