@@ -599,6 +599,25 @@ def test_chinese_corpus_with_jieba_word_starts(tmp_path: Path) -> None:
         assert examples and all(len(e.input_ids) <= 128 for e in examples)
 
 
+def test_jieba_never_splits_a_wordpiece_word(tmp_path: Path) -> None:
+    # With tokenize_chinese_chars off (a checkpoint's tokenizer_config.json may say so),
+    # "我们中国人" is one WordPiece word: 我 ##们 ##中 ##国 ##人. jieba's 我们|中国|人 may
+    # join ideographs into words but never make a '##' piece start one, or whole-word
+    # masking would mask ##中 ##国 and leave the rest of the word (HF's reference ids only
+    # add continuations).
+    pytest.importorskip("jieba")
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for token in ["我", "##们", "##中", "##国", "##人", "们", "中", "国", "人"]:
+        vocab[token] = len(vocab)
+    path = tmp_path / "corpus.txt"
+    path.write_text("我们中国人\n", encoding="utf-8")
+    for chinese_chars, starts in ((False, [1, 0, 0, 0, 0]), (True, [1, 0, 1, 0, 1])):
+        tokenizer = BertTokenizer.from_vocab(vocab, tokenize_chinese_chars=chinese_chars)
+        corpus = TokenizedCorpus.build([path], tokenizer, tmp_path / "cache", chinese_words=True)
+        # (ideographs of their own, True, still start words where jieba starts one)
+        assert corpus.sentence_word_starts(0).tolist() == starts
+
+
 def test_chinese_words_without_jieba_is_a_clear_error(
     tmp_path: Path, minilm_tokenizer: BertTokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

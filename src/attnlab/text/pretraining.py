@@ -42,7 +42,7 @@ IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, HF's convention (SOP: 0 = in order, 1 = 
 NO_LABEL = -1  # the label of an 'mlm' example, which has no sentence-level task
 
 # Bumped whenever the cache layout or the tokenization rules change, so old caches miss.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 _CHUNK_SENTENCES = 10_000
 # Examples an epoch mixes at a time: a long document's examples spread over this many
 # (google shuffles all instances of a run in memory; 10,000 of 128 tokens take ~8 MB).
@@ -555,11 +555,13 @@ def _chinese_word_starts(
 ) -> np.ndarray:
     """Word starts where each Chinese character starts a word only at a jieba word's start."""
     # WordPiece makes every ideograph a word of its own; jieba's segmentation joins them
-    # back into words (BERT-wwm), while other tokens keep the '##' rule.
+    # back into words (BERT-wwm), while other tokens keep the '##' rule. jieba only joins:
+    # a '##' piece (an ideograph inside a WordPiece word, as with tokenize_chinese_chars
+    # off) stays inside its word even where jieba starts one.
     jieba_starts = {start for _, start, _ in segmenter.tokenize(text)}
     starts = starts.copy()
     for k, (begin, _) in enumerate(offsets):
-        if begin < len(text) and _is_cjk(text[begin]):
+        if starts[k] and begin < len(text) and _is_cjk(text[begin]):
             starts[k] = begin in jieba_starts
     return starts
 
