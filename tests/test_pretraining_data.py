@@ -84,6 +84,18 @@ def test_read_documents_line_per_document_layout(tmp_path: Path) -> None:
     assert list(read_documents(path)) == [["标题一。", "副标题！"], ["Second headline"]]
 
 
+def test_read_documents_layout_sees_blank_lines_as_the_reader_does(tmp_path: Path) -> None:
+    # google reads a line as blank when line.strip() is empty: a line of full-width spaces
+    # (U+3000, common in Chinese text) separates documents like an empty one.
+    path = tmp_path / "docs.txt"
+    path.write_text("第一句。\n第二句。\n\u3000\u3000\n第三句。\n第四句。\n", encoding="utf-8")
+    assert list(read_documents(path)) == [["第一句。", "第二句。"], ["第三句。", "第四句。"]]
+    # A first line that is only a byte-order mark is blank: no blank line stands between two
+    # lines of text, so each line is a document.
+    path.write_bytes("\ufeff\n\nheadline one\nheadline two\n".encode())
+    assert list(read_documents(path)) == [["headline one"], ["headline two"]]
+
+
 def test_read_documents_drops_a_byte_order_mark(tmp_path: Path) -> None:
     path = tmp_path / "bom.txt"
     path.write_bytes("\ufeff第一句。\n\ufeff第二句。\n".encode())

@@ -15,7 +15,6 @@ Masking happens later, per batch, in `attnlab.text.masking`.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
@@ -27,7 +26,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import BinaryIO
 
 import numpy as np
 import tokenizers
@@ -42,7 +40,7 @@ IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, HF's convention (SOP: 0 = in order, 1 = 
 NO_LABEL = -1  # the label of an 'mlm' example, which has no sentence-level task
 
 # Bumped whenever the cache layout or the tokenization rules change, so old caches miss.
-_CACHE_FORMAT = 2
+_CACHE_FORMAT = 3
 _CHUNK_SENTENCES = 10_000
 # Examples an epoch mixes at a time: a long document's examples spread over this many
 # (google shuffles all instances of a run in memory; 10,000 of 128 tokens take ~8 MB).
@@ -112,28 +110,18 @@ def read_documents(path: str | Path) -> Iterator[list[str]]:
         yield document
 
 
-def _open_binary(path: Path) -> BinaryIO:
-    """Open a corpus file for reading bytes, decompressing .gz."""
-    try:
-        return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
-    except OSError as error:
-        raise AttnlabError(f"cannot read corpus file {path}: {error}") from error
-
-
 def _has_blank_separator(path: Path) -> bool:
     """Whether a blank line stands between two non-blank lines (a document separator)."""
+    # Blank as read_documents (and google's line.strip()) sees it: a line of full-width
+    # spaces (U+3000) or only a byte-order mark is blank too, which bytes.strip() missed.
     seen_text = seen_blank = False
-    try:
-        with _open_binary(path) as stream:
-            for raw in stream:
-                if raw.strip():
-                    if seen_blank:
-                        return True
-                    seen_text = True
-                elif seen_text:
-                    seen_blank = True
-    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
-        raise AttnlabError(f"cannot read corpus file {path}: {error}") from error
+    for line in _read_lines(path):
+        if line.strip():
+            if seen_blank:
+                return True
+            seen_text = True
+        elif seen_text:
+            seen_blank = True
     return False
 
 
