@@ -637,3 +637,25 @@ def test_chinese_words_without_jieba_is_a_clear_error(
     path = _write_blank_separated(tmp_path / "corpus.txt", [["中文句子。"]])
     with pytest.raises(AttnlabError, match="pip install jieba"):
         TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache", chinese_words=True)
+
+
+def test_whole_word_masking_of_english_needs_no_jieba(
+    tmp_path: Path, minilm_tokenizer: BertTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # jieba only joins ideographs: a corpus without any builds without it, and its word
+    # starts are the '##' rule's, as without chinese_words.
+    path = _write_blank_separated(tmp_path / "corpus.txt", [["Unaffable words.", "Two."]])
+    plain = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "plain")
+    monkeypatch.setitem(sys.modules, "jieba", None)  # makes `import jieba` fail
+    words = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "w", chinese_words=True)
+    assert words.word_starts.tolist() == plain.word_starts.tolist()
+    assert 0 in words.word_starts.tolist()  # a '##' piece is in there
+
+
+def test_the_ideograph_pattern_is_is_cjk() -> None:
+    edges = [0x3400, 0x4DBF, 0x4E00, 0x9FFF, 0xF900, 0xFAFF, 0x20000, 0x2A6DF, 0x2A700]
+    edges += [0x2B73F, 0x2B740, 0x2B81F, 0x2B820, 0x2CEAF, 0x2F800, 0x2FA1F]
+    codes = {c + d for c in edges for d in (-1, 0, 1)} | set(range(0x3000, 0x3500))
+    for code in sorted(codes):
+        char = chr(code)
+        assert bool(pretraining._IDEOGRAPH.match(char)) == pretraining._is_cjk(char), hex(code)

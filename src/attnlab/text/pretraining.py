@@ -243,7 +243,7 @@ class TokenizedCorpus:
                 return corpus
             except AttnlabError as err:  # damaged since it was written: made again below
                 print(f"warning: {err}: tokenizing the corpus again", file=sys.stderr)
-        segmenter = _jieba() if chinese_words else None
+        segmenter = _Jieba() if chinese_words else None
 
         cache_root.mkdir(parents=True, exist_ok=True)
         _remove_dead_builds(cache_root)
@@ -399,18 +399,27 @@ def _fingerprint(paths: list[Path], tokenizer: BertTokenizer, chinese_words: boo
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()[:20]
 
 
-def _jieba() -> ModuleType:
-    """The jieba module, imported only for Chinese whole-word boundaries."""
-    try:
-        import jieba
-    except ImportError as error:
-        raise AttnlabError(
-            "chinese_words needs the jieba package for word segmentation: pip install jieba"
-        ) from error
-    import logging
+class _Jieba:
+    """jieba's segmenter, imported at the first text with an ideograph (English needs none)."""
 
-    jieba.setLogLevel(logging.WARNING)  # silence its "Building prefix dict" chatter
-    return jieba
+    def __init__(self) -> None:
+        self.module: ModuleType | None = None
+
+    def tokenize(self, text: str) -> Iterator[tuple[str, int, int]]:
+        """jieba.tokenize(text): (word, start, end) of each word."""
+        if self.module is None:
+            try:
+                import jieba
+            except ImportError as error:
+                raise AttnlabError(
+                    "whole-word masking of Chinese text needs the jieba package for word "
+                    "segmentation: pip install jieba"
+                ) from error
+            import logging
+
+            jieba.setLogLevel(logging.WARNING)  # silence its "Building prefix dict" chatter
+            self.module = jieba
+        return self.module.tokenize(text)
 
 
 def _encode_chunk(tokenizer: BertTokenizer, sentences: list[str]) -> list[tokenizers.Encoding]:
@@ -423,7 +432,7 @@ def _encode_chunk(tokenizer: BertTokenizer, sentences: list[str]) -> list[tokeni
 def _write_corpus(
     paths: list[Path],
     tokenizer: BertTokenizer,
-    segmenter: ModuleType | None,
+    segmenter: _Jieba | None,
     out: Path,
     progress: bool,
 ) -> None:
@@ -469,7 +478,7 @@ def _write_corpus(
 class _CorpusWriter:
     """Appends tokenized chunks of sentences to the array files of a cache directory."""
 
-    def __init__(self, out: Path, tokenizer: BertTokenizer, segmenter: ModuleType | None) -> None:
+    def __init__(self, out: Path, tokenizer: BertTokenizer, segmenter: _Jieba | None) -> None:
         """Create the array files in `out`, each offsets file starting with its 0."""
         self.tokenizer = tokenizer
         self.segmenter = segmenter
@@ -523,6 +532,13 @@ class _CorpusWriter:
             handle.close()
 
 
+# The ranges of _is_cjk, for a fast test of a whole sentence.
+_IDEOGRAPH = re.compile(
+    "[\u4e00-\u9fff\u3400-\u4dbf\U00020000-\U0002a6df\U0002a700-\U0002b73f"
+    "\U0002b740-\U0002b81f\U0002b820-\U0002ceaf\uf900-\ufaff\U0002f800-\U0002fa1f]"
+)
+
+
 def _is_cjk(char: str) -> bool:
     """Whether `char` is a CJK ideograph (the ranges BERT's tokenizer splits one per token)."""
     code = ord(char)
@@ -539,13 +555,15 @@ def _is_cjk(char: str) -> bool:
 
 
 def _chinese_word_starts(
-    segmenter: ModuleType, text: str, offsets: list[tuple[int, int]], starts: np.ndarray
+    segmenter: _Jieba, text: str, offsets: list[tuple[int, int]], starts: np.ndarray
 ) -> np.ndarray:
     """Word starts where each Chinese character starts a word only at a jieba word's start."""
     # WordPiece makes every ideograph a word of its own; jieba's segmentation joins them
     # back into words (BERT-wwm), while other tokens keep the '##' rule. jieba only joins:
     # a '##' piece (an ideograph inside a WordPiece word, as with tokenize_chinese_chars
     # off) stays inside its word even where jieba starts one.
+    if not _IDEOGRAPH.search(text):  # nothing for jieba to join (and no jieba needed)
+        return starts
     jieba_starts = {start for _, start, _ in segmenter.tokenize(text)}
     starts = starts.copy()
     for k, (begin, _) in enumerate(offsets):
