@@ -393,6 +393,7 @@ def test_resume(teacher_dir, cache, tmp_path, capsys):
         ([], "exactly one"),
         (["--student-layers", "4"], "between 1 and 3"),
         (["--student-layers", "2", "--teacher", "MISSING"], "does not exist"),
+        (["--student-layers", "2", "--max-predictions", "0"], "--max-predictions must be at"),
     ],
 )
 def test_cli_errors_write_nothing(teacher_dir, tmp_path, capsys, student, message):
@@ -403,6 +404,23 @@ def test_cli_errors_write_nothing(teacher_dir, tmp_path, capsys, student, messag
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("attnlab: error:") and message in err[0]
     assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_max_predictions_reaches_the_masking(teacher_dir, tmp_path):
+    # the cap of pretraining's --max-predictions, on the distillation data too
+    from attnlab.tasks.distill import DistillOptions
+    from attnlab.tasks.pretrain import prepare_data
+    from attnlab.text.tokenizer import BertTokenizer
+
+    opts = DistillOptions(teacher=teacher_dir, out=tmp_path / "out", student_layers=2,
+                          batch_size=8, seq_len=64, max_predictions=2,
+                          cache_dir=tmp_path / "cache", progress=False)  # fmt: skip
+    opts.validate()
+    corpus = [bundled_corpus()]
+    batch = next(
+        iter(prepare_data(opts.pretraining(), corpus, BertTokenizer.from_dir(teacher_dir)).batches)
+    )
+    assert (batch["mlm_labels"] != -100).sum(dim=1).max() == 2
 
 
 def test_teacher_without_an_mlm_head_is_refused(minilm_dir, tmp_path, capsys):

@@ -759,6 +759,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--teacher", help="teacher checkpoint directory (HF or attnlab BERT)")
     sub.add_argument("--grad-accum", type=int, help="micro-batches per step")
     sub.add_argument("--static-masking", action="store_true", default=None)
+    sub.add_argument(
+        "--max-predictions", type=int, help="masked tokens per sequence at most (default: no cap)"
+    )
     sub.add_argument("--student-layers", type=int, help="student = teacher with N layers")
     sub.add_argument("--student-preset", help="student = a fresh model of this size")
     sub.add_argument("--temperature", type=float, help="softmax temperature T (default 2)")

@@ -309,14 +309,16 @@ class DistillOptions(RunOptions):
     cache_dir: Path | None = None
     whole_word_masking: bool = False
     static_masking: bool = False
+    max_predictions: int | None = None  # masked tokens per sequence at most, as pretraining's
 
     def validate(self) -> None:
         """Raise AttnlabError for impossible settings, before anything is read or written."""
         super().validate()
         if (self.student_layers is None) == (self.student_preset is None):
             raise AttnlabError("give exactly one of --student-layers and --student-preset")
-        for name in ("steps", "batch_size", "grad_accum", "seq_len"):
-            if getattr(self, name) < 1:
+        for name in ("steps", "batch_size", "grad_accum", "seq_len", "max_predictions"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
                 raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
         check_upper_bounds(self.batch_size, self.seq_len)
         if not 0 < self.temperature < math.inf:
@@ -346,6 +348,7 @@ class DistillOptions(RunOptions):
             seq_len=self.seq_len,
             whole_word_masking=self.whole_word_masking,
             static_masking=self.static_masking,
+            max_predictions=self.max_predictions,
             resume=self.resume,
             overwrite=self.overwrite,
             seed=self.seed,
