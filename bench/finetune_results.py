@@ -16,7 +16,7 @@ Splits, fixed here so every number can be repeated:
   offsets a few characters off: ``--fix-answer-offsets`` moves them onto their text.
 
 Usage:
-    python bench/finetune_results.py --only sst2 stsb conll [--threads 2] [--epochs N]
+    python bench/finetune_results.py --only sst2 stsb conll [--threads 2] [--extra "--epochs N"]
     python bench/finetune_results.py --only chnsenticorp afqmc msra cmrc --model DIR
 """
 
