@@ -10,10 +10,11 @@ bench/pretrain_quality.py builds it):
    signal (DistilBERT's ablation, Sanh et al. 2019 table 4).
 
 2 and 3 run side by side, one thread each, so they share the machine's conditions. Every run
-holds out the corpus's last 200 documents (the pretraining CLI's held-out set; same vocabulary,
-examples and masks), and the table reports held-out MLM accuracy, the student's fill-mask
-agreement with the teacher (masked positions where both rank the same token first) and the mean
-KL(teacher || student) at those positions, before and after. It ends with the encoder's
+holds out the same 200 documents, drawn across the corpus by a fixed seed (the pretraining
+CLI's held-out set; the last 200 before 2026-12-02; same vocabulary, examples and masks), and
+the table reports held-out MLM accuracy, the student's fill-mask agreement with the teacher
+(masked positions where both rank the same token first) and the mean KL(teacher || student) at
+those positions, before and after. It ends with the encoder's
 forward-pass speed (last hidden states, as fine-tuning and embedding use it; 64 x 128 tokens,
 2 threads) of the teacher and the students.
 
