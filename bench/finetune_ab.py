@@ -71,6 +71,8 @@ def main() -> None:
     if args.one_run:
         print(json.dumps(one_run(args.sentences, args.threads)))
         return
+    if args.a is None or args.b is None:  # not required of the --one-run children
+        parser.error("give both --a and --b")
     seconds: dict[str, list[float]] = {"A": [], "B": []}
     for pair in range(args.pairs):
         for side, src in (("A", args.a), ("B", args.b)):
