@@ -105,6 +105,16 @@ def test_train_from_files_tsv_and_gz(tmp_path):
     assert tok.decode(tok.encode("Noch ein Satz.")) == "Noch ein Satz."
 
 
+def test_line_endings_are_not_learnt(tmp_path):
+    # Sentences are encoded without their line ending: a vocabulary learnt on files must not
+    # spend entries on "word.\n" pieces, which no sentence can use.
+    pairs = list(zip(CORPUS[::2], CORPUS[1::2], strict=False))
+    corpus = tmp_path / "corpus.tsv"
+    corpus.write_bytes("".join(f"{a} \t {b}\r\n" for a, b in pairs).encode())
+    tok = train_bpe([corpus], vocab_size=150, min_frequency=1)
+    assert not any("\n" in t or "\r" in t for t in tok.backend.get_vocab())
+
+
 def test_a_byte_order_mark_is_not_learnt(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(("\ufeff" + "\n".join(CORPUS) + "\n").encode())

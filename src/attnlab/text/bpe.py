@@ -151,8 +151,10 @@ def train_bpe(files: list[str | Path], vocab_size: int, min_frequency: int = 2) 
     def batches() -> Iterator[list[str]]:
         nonlocal seen_text
         for batch in _corpus_batches(paths):
-            # A TSV's TAB would otherwise glue the last source word to the first target word.
-            lines = [line.replace("\t", " ") for line in batch]
+            # A TSV's TAB would otherwise glue the last source word to the first target word;
+            # each side is stripped, line ending included, as translation reads its pairs (a
+            # "\n" left in would be learnt onto each line's last word, in tokens never used).
+            lines = [" ".join(side.strip() for side in line.split("\t")) for line in batch]
             seen_text = seen_text or any(line.strip() for line in lines)
             yield lines
 
