@@ -254,6 +254,32 @@ def test_fit_trains_logs_evaluates_plots_and_keeps_the_last_checkpoints(tmp_path
     assert state["step"] == 40 and state["config"]["steps"] == 40
 
 
+def test_loss_plot_draws_scores_not_the_best_mark(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An improving dev row is marked "best": true; drawn, the mark read as a score of 1.0.
+    from matplotlib.axes import Axes
+
+    from attnlab.train.log import plot_loss_curve
+
+    labels = []
+    plot = Axes.plot
+
+    def recording_plot(self, *args, **kwargs):
+        labels.append(kwargs.get("label"))
+        return plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", recording_plot)
+    rows = [
+        {"step": 5, "loss": 0.7},
+        {"step": 5, "eval": True, "loss": 0.6, "accuracy": 0.5, "best": True},
+        {"step": 10, "loss": 0.5},
+        {"step": 10, "eval": True, "loss": 0.65, "accuracy": 0.4},
+    ]
+    assert plot_loss_curve(rows, tmp_path / "loss.png")
+    assert labels == ["train loss", "eval loss", "accuracy"]
+
+
 def test_bf16_runs_the_forward_pass_under_autocast(tmp_path: Path) -> None:
     trainer, summary = train(tmp_path / "run", steps=3, precision="bf16", save_every=0)
     assert trainer.model.seen_dtype == torch.bfloat16
