@@ -176,6 +176,17 @@ def test_score_prints_sacrebleu_json(run_dir, data, cli, tmp_path):
                           "--ref", tmp_path / "ref"), "--src has 8 lines but --ref has 1")  # fmt: skip
 
 
+def test_translate_options_before_a_subcommand_are_refused_not_dropped(run_dir, data, cli):
+    # argparse gives `score` its own --beam default over a --beam before it: this scored
+    # with beam 4 and said "beam": 4; before `train`, --threads went unused.
+    out, _, _ = run_dir
+    valid = data / "valid.tsv"
+    assert_one_error(*cli("translate", "--beam", 1, "score", "--model", out, "--src", valid,
+                          "--ref", valid), "--beam before 'score' would be ignored")  # fmt: skip
+    assert_one_error(*cli("translate", "--greedy", "--threads", 1, "train", "--out", out),
+                     "--greedy, --threads before 'train'")  # fmt: skip
+
+
 def test_resume_continues_the_run(run_dir, data, cli, tmp_path):
     out = tmp_path / "copy"
     shutil.copytree(run_dir[0], out)

@@ -471,6 +471,27 @@ def cmd_bench_pretrain(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
+class _TranslateOption(argparse.Action):
+    """An option of `translate` itself, noted when given: argparse gives `train` and `score`
+    their own defaults over the options before them, so there it is refused, not dropped."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+        namespace.translate_options = [*getattr(namespace, "translate_options", []), option_string]
+
+
+def _check_no_translate_options(args: argparse.Namespace) -> None:
+    """Refuse `translate --beam 1 score ...`: the 1 would be replaced by score's default 4."""
+    given = getattr(args, "translate_options", [])
+    if given:
+        command = args.translate_command
+        raise AttnlabError(
+            f"translate {command}: {', '.join(given)} before '{command}' would be ignored (an "
+            f"option there is plain `translate`'s): give `translate {command}` options after "
+            f"'{command}'"
+        )
+
+
 def _translate(
     args: argparse.Namespace, model: Transformer, tokenizer: BpeTokenizer, lines: list[str]
 ) -> list[str]:
@@ -507,6 +528,7 @@ def cmd_translate_train(args: argparse.Namespace) -> None:
     """Train (or resume) a Transformer translation model on parallel text."""
     from attnlab.tasks.translate import TranslateOptions, train_translation
 
+    _check_no_translate_options(args)
     options = options_from(TranslateOptions, args, ("out",), ("out", "tokenizer"))
     summary = train_translation(options, say=_say)
     if not _main_process():
@@ -522,6 +544,7 @@ def cmd_translate_score(args: argparse.Namespace) -> None:
     from attnlab.metrics import bleu_metric, corpus_bleu
     from attnlab.tasks.translate import load_translation_model
 
+    _check_no_translate_options(args)
     if args.tokenize is not None:  # a tokenizer that cannot run is said before the translating
         bleu_metric(args.tokenize)
     model, tokenizer = load_translation_model(args.model)
@@ -535,16 +558,24 @@ def cmd_translate_score(args: argparse.Namespace) -> None:
     _print_json({**result, "beam": 1 if args.greedy else args.beam})
 
 
-def _add_decoding_flags(sub: argparse.ArgumentParser) -> None:
-    """How translations are searched (translate, translate score)."""
-    sub.add_argument("--beam", type=int, default=4, help="beam size (default 4, the paper's)")
-    sub.add_argument("--greedy", action="store_true", help="greedy search (same as --beam 1)")
-    sub.add_argument("--length-penalty", type=float, default=0.6, help="GNMT alpha (0.6)")
-    sub.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
-    sub.add_argument("--max-len-a", type=float, default=1.2, help="max output = a * src_len + b")
-    sub.add_argument("--max-len-b", type=float, default=10)
+def _add_decoding_flags(sub: argparse.ArgumentParser, noted: bool = False) -> None:
+    """How translations are searched (translate, translate score); noted: _TranslateOption."""
+    store = _TranslateOption if noted else "store"
+    sub.add_argument("--beam", type=int, default=4, action=store,
+                     help="beam size (default 4, the paper's)")  # fmt: skip
+    flag = {"action": _TranslateOption, "nargs": 0, "const": True, "default": False}
+    sub.add_argument("--greedy", **(flag if noted else {"action": "store_true"}),
+                     help="greedy search (same as --beam 1)")  # fmt: skip
+    sub.add_argument("--length-penalty", type=float, default=0.6, action=store,
+                     help="GNMT alpha (0.6)")  # fmt: skip
+    sub.add_argument("--batch-size", type=int, default=64, action=store,
+                     help="sentences per batch")  # fmt: skip
+    sub.add_argument("--max-len-a", type=float, default=1.2, action=store,
+                     help="max output = a * src_len + b")  # fmt: skip
+    sub.add_argument("--max-len-b", type=float, default=10, action=store)
     sub.add_argument(
         "--workers",
+        action=store,
         type=int,
         help="batches decoded at once, sharing the threads, at most one per thread "
         "(default: one per thread on CPU)",
@@ -556,10 +587,13 @@ def _add_translate_commands(commands: argparse._SubParsersAction) -> None:
     text = "translate stdin lines with a trained model; or `translate train|score ...`"
     sub = commands.add_parser("translate", help=text, description=text)
     sub.set_defaults(func=cmd_translate)
-    sub.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    sub.add_argument("--model", help="translation model directory (from `translate train`)")
-    sub.add_argument("--input", help="UTF-8 source file (default: stdin)")
-    _add_decoding_flags(sub)
+    sub.add_argument("--threads", type=int, action=_TranslateOption,
+                     help="torch threads (default: torch's choice)")  # fmt: skip
+    sub.add_argument("--model", action=_TranslateOption,
+                     help="translation model directory (from `translate train`)")  # fmt: skip
+    sub.add_argument("--input", action=_TranslateOption,
+                     help="UTF-8 source file (default: stdin)")  # fmt: skip
+    _add_decoding_flags(sub, noted=True)
     # An optional subcommand: without one, `translate` itself translates (the common case).
     actions = sub.add_subparsers(
         dest="translate_command", metavar="{train,score}", parser_class=_Parser
