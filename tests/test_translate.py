@@ -275,6 +275,14 @@ def test_bad_options_and_files(data, cli, tmp_path):
     assert not out.exists()
 
 
+def test_vocab_size_with_a_tokenizer_is_refused_not_ignored(run_dir, data, cli, tmp_path):
+    # The run trained with the --tokenizer's vocabulary whatever --vocab-size (300 here) said.
+    out = tmp_path / "out"
+    assert_one_error(*cli(*train_args(data, out, "--tokenizer", run_dir[0])),
+                     "--tokenizer brings its own")  # fmt: skip
+    assert not out.exists()
+
+
 def test_refused_options_leave_an_existing_run_and_a_new_out_as_they_were(run_dir, data, cli,
                                                                          tmp_path):  # fmt: skip
     # translate train wrote the config and vocabulary (and, with --overwrite, cleared the old

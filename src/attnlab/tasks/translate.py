@@ -237,7 +237,7 @@ class TranslateOptions(RunOptions):
     preset: str | None = None  # None: transformer-small (smaller still on the bundled sample)
     model_config: dict[str, Any] = field(default_factory=dict)  # TransformerConfig overrides
     tokenizer: Path | None = None
-    vocab_size: int = 8000
+    vocab_size: int | None = None  # None: 8000, for a vocabulary learnt on --train
     max_tokens: int | None = None  # None: 4096 (1024 on the bundled sample)
     steps: int | None = None  # None: 100k (the paper's base run), 400 on the bundled sample
     max_minutes: float | None = None
@@ -287,8 +287,13 @@ class TranslateOptions(RunOptions):
             raise AttnlabError(
                 "model_config in --config must be a table of TransformerConfig fields"
             )
+        if self.vocab_size is not None and self.tokenizer is not None:
+            raise AttnlabError(  # it would be ignored in silence
+                "--vocab-size sizes a vocabulary learnt on --train; --tokenizer brings its own: "
+                "drop one of them"
+            )
         for name in ("vocab_size", "max_tokens", "grad_accum", "average_last", "eval_beam"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
         if self.eval_beam > MAX_BEAM:
             raise AttnlabError(f"--eval-beam must be at most {MAX_BEAM}, got {self.eval_beam}")
@@ -382,7 +387,8 @@ def prepare(opts: TranslateOptions, from_out: bool = False) -> TranslationData:
         if opts.tokenizer is not None:
             tokenizer = BpeTokenizer.from_dir(opts.tokenizer)
         else:
-            tokenizer = train_bpe_from_texts([*train.src, *train.tgt], opts.vocab_size)
+            vocab_size = 8000 if opts.vocab_size is None else opts.vocab_size
+            tokenizer = train_bpe_from_texts([*train.src, *train.tgt], vocab_size)
         config = model_config(opts, tokenizer)
     encoded = encode_pairs(tokenizer, train, config.max_positions)
     if encoded.truncated:
