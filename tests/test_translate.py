@@ -283,6 +283,17 @@ def test_vocab_size_with_a_tokenizer_is_refused_not_ignored(run_dir, data, cli, 
     assert not out.exists()
 
 
+def test_an_unknown_model_config_field_is_named_as_such(data, cli, tmp_path):
+    # A run option written after [model_config] in TOML lands in that table: the error said
+    # "config: unknown field(s) average_last", though average_last is a --config option.
+    config = tmp_path / "run.toml"
+    config.write_text(TINY + "average_last = 3\n")
+    args = train_args(data, tmp_path / "out")
+    args[args.index("--config") + 1] = config
+    assert_one_error(*cli(*args), "model_config: unknown TransformerConfig field(s) average_last",
+                     "[model_config]")  # fmt: skip
+
+
 def test_refused_options_leave_an_existing_run_and_a_new_out_as_they_were(run_dir, data, cli,
                                                                          tmp_path):  # fmt: skip
     # translate train wrote the config and vocabulary (and, with --overwrite, cleared the old

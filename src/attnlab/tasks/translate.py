@@ -287,6 +287,13 @@ class TranslateOptions(RunOptions):
             raise AttnlabError(
                 "model_config in --config must be a table of TransformerConfig fields"
             )
+        fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+        unknown = sorted(set(self.model_config) - fields)
+        if unknown:  # said as "config: unknown field(s)", after the BPE was learnt
+            raise AttnlabError(
+                f"model_config: unknown TransformerConfig field(s) {', '.join(unknown)} (in "
+                "TOML, every key after the [model_config] line belongs to that table)"
+            )
         if self.vocab_size is not None and self.tokenizer is not None:
             raise AttnlabError(  # it would be ignored in silence
                 "--vocab-size sizes a vocabulary learnt on --train; --tokenizer brings its own: "
