@@ -426,6 +426,30 @@ def test_a_headerless_pair_table_is_read_with_columns(tiny_dir, tmp_path, capsys
     assert code == 2 and "column" in err and not (tmp_path / "x").exists()
 
 
+def test_columns_with_spaces_after_the_commas_name_the_columns(tiny_dir, tmp_path, capsys):
+    """--columns "a, b, label" names a, b and label (it named " b" and " label", and the
+    error listed columns present that looked like the ones asked for)."""
+    table = write(tmp_path / "pairs.tsv", "今天天气好\t天气不错\t1\n我不开心\t今天下雨\t0\n")
+    settings = {"text_column": "a", "text_pair_column": "b", "label_column": "label"}
+    examples = read_examples(
+        "classify", table, {**settings, "columns": "a, b, label"}, labelled=True
+    )
+    assert [(e.text, e.pair, e.label) for e in examples] == [
+        ("今天天气好", "天气不错", "1"),
+        ("我不开心", "今天下雨", "0"),
+    ]
+    out = tmp_path / "pairs"
+    code, _, err = run(
+        capsys, "finetune", "--task", "classify", "--model", tiny_dir, "--train", table,
+        "--dev", table, "--columns", "a, b, label", "--text-column", "a",
+        "--text-pair-column", "b", "--out", out, "--steps", "1", "--batch-size", "2", *FAST,
+    )  # fmt: skip
+    assert code == 0, err
+    code, stdout, err = run(capsys, "evaluate", "--model", out, "--data", table)
+    assert code == 0, err
+    assert 0 <= json.loads(stdout)["accuracy"] <= 1
+
+
 @pytest.mark.parametrize("fixture", ["ner.conll", "ner_zh.conll"])
 def test_ner_end_to_end(fixture, tiny_dir, tmp_path, capsys):
     from seqeval.metrics import f1_score

@@ -208,7 +208,10 @@ def read_examples(task: str, path: Path, settings: dict[str, Any], labelled: boo
             text_column=settings["text_column"],
             pair_column=settings["text_pair_column"],
             label_column=settings["label_column"] if labelled else None,
-            columns=settings["columns"].split(",") if settings.get("columns") else None,
+            # "a, b, label" names a, b and label, as a header row's names are stripped too
+            columns=[c.strip() for c in settings["columns"].split(",")]
+            if settings.get("columns")
+            else None,
         )
     if task == "ner":
         return task_data.read_conll(path, tag_column=settings["tag_column"] if labelled else None)
