@@ -666,15 +666,36 @@ def test_train_wordpiece_small_vocab_stays_within_size(tmp_path):
 
 def test_train_wordpiece_alphabet_is_the_most_frequent_characters_ties_by_code_point(tmp_path):
     """When the alphabet limit falls inside a tie, every run keeps the same characters."""
-    # "b" and "a" lead; 30 ideographs tie at 5 each and only 18 fit (limit (45 - 5) // 2 = 20).
-    ideographs = [chr(0x4E00 + 7 * i) for i in range(30)]
+    # "b" and "a" lead (two entries each: a and ##a); 50 ideographs tie at 5 each and only
+    # 36 fit (one entry each: an ideograph is always a word of its own; 45 - 5 - 4 = 36).
+    ideographs = [chr(0x4E00 + 7 * i) for i in range(50)]
     lines = ["a a a a a a b b b b b"] * 8 + [" ".join(ideographs)] * 5
     corpus = tmp_path / "ties.txt"
     corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    expected = {"a", "b", *ideographs[:18]}
-    for _ in range(3):  # the trainer's own cut picked a different 18 from run to run
+    expected = {"a", "b", *ideographs[:36]}
+    for _ in range(3):  # the trainer's own cut picked a different 36 from run to run
         vocab = train_wordpiece([corpus], vocab_size=45, min_frequency=1).vocab
         assert {t for t in vocab if len(t) == 1} == expected
+
+
+def test_train_wordpiece_chinese_vocabulary_fills_vocab_size(tmp_path):
+    """A Chinese corpus's vocabulary reaches --vocab-size: an ideograph or punctuation mark
+    takes one entry (never ##c). Every alphabet character was counted as two, so
+    --vocab-size 300 gave about 150 tokens and left the other characters [UNK]."""
+    ideographs = [chr(0x4E00 + 3 * i) for i in range(400)]
+    # character i appears 400 - i times, the two marks 400 times
+    lines = ["".join(ideographs[: 400 - i]) + "，。" for i in range(400)]
+    corpus = tmp_path / "zh.txt"
+    corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tokenizer = train_wordpiece([corpus], vocab_size=300)
+    vocab = tokenizer.vocab
+    assert len(vocab) == tokenizer.vocab_size == 300
+    assert {"，", "。", *ideographs[:293]} <= set(vocab)
+    assert not any(token.startswith("##") for token in vocab)
+    # still within size where a character needs its ## twin too
+    latin = tmp_path / "mixed.txt"
+    latin.write_text("\n".join(lines + ["abcdefghij klmnopqrst"] * 500) + "\n", encoding="utf-8")
+    assert train_wordpiece([latin], vocab_size=300).vocab_size <= 300
 
 
 def test_train_wordpiece_errors(tmp_path):

@@ -600,10 +600,12 @@ def train_wordpiece(
         clean_text=True, handle_chinese_chars=True, strip_accents=strip_accents, lowercase=lowercase
     )
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    # The trainer puts each alphabet character in the vocabulary twice (c and ##c) before
-    # any merge and never drops them, so a large alphabet would overshoot vocab_size.
-    limit = min(limit_alphabet, (vocab_size - len(SPECIAL_TOKENS)) // 2)
-    alphabet = _alphabet(paths, backend.normalizer, limit)
+    # The trainer puts each alphabet character in the vocabulary before any merge and never
+    # drops it, and also ##c where c can stand inside a word, so the alphabet is cut to fit.
+    alphabet = _alphabet(
+        paths, backend.normalizer, backend.pre_tokenizer, limit_alphabet,
+        vocab_size - len(SPECIAL_TOKENS),
+    )  # fmt: skip
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
@@ -626,13 +628,24 @@ def train_wordpiece(
     return BertTokenizer.from_vocab(ordered, lowercase=lowercase, strip_accents=strip_accents)
 
 
-def _alphabet(paths: list[Path], normalizer: normalizers.Normalizer, limit: int) -> list[str]:
-    """The `limit` most frequent characters of the normalised corpus, ties broken by code point.
+def _alphabet(
+    paths: list[Path],
+    normalizer: normalizers.Normalizer,
+    pre_tokenizer: pre_tokenizers.PreTokenizer,
+    limit: int,
+    budget: int,
+) -> list[str]:
+    """The most frequent characters of the normalised corpus, ties broken by code point: at
+    most `limit` of them, and no more than `budget` vocabulary entries fit.
 
     The trainer's own cut keeps the most frequent characters too, but breaks ties in hash-map
     order, so the same corpus gave different vocabularies from run to run; an initial alphabet
-    of exactly `limit` characters leaves it nothing to choose. BERT's normaliser works one
+    of exactly the characters wanted leaves it nothing to choose. BERT's normaliser works one
     character at a time, so each distinct character is normalised once, not the whole corpus.
+    A character costs two entries (c and ##c) where it can stand inside a word, one where the
+    normaliser or pre-tokenizer always makes it a word of its own (a CJK ideograph, a
+    punctuation mark): halving the budget for every character left a Chinese vocabulary at
+    about half of --vocab-size, the other characters of the corpus [UNK].
     """
     raw: Counter[str] = Counter()
     for batch in _corpus_batches(paths):
@@ -643,7 +656,15 @@ def _alphabet(paths: list[Path], normalizer: normalizers.Normalizer, limit: int)
             if not piece.isspace():
                 counts[piece] += count
     ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
-    return [char for char, _ in ranked[:limit]]
+    alphabet: list[str] = []
+    for char, _ in ranked[:limit]:
+        # "a" + char + "a" splits into three words where char always stands alone.
+        words = pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(f"a{char}a"))
+        budget -= 1 if len(words) == 3 else 2
+        if budget < 0:
+            break
+        alphabet.append(char)
+    return alphabet
 
 
 def _corpus_batches(paths: list[Path], batch_size: int = 1000) -> Iterator[list[str]]:
