@@ -577,10 +577,25 @@ def test_resume_cleans_leftovers_and_warns_of_changed_settings(corpus, tmp_path,
     err = capsys.readouterr().err
     assert "warning: resuming" in err and "lr 0.0005 (checkpoint: 0.0001)" in err
     assert "batch_size 4 (checkpoint: 8)" in err  # the job's own settings too
+    assert "whole_word_masking" not in err  # the same masking: nothing said of it
     left = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
     assert left == [] and (out / "notes.txt").read_text() == "mine"
     assert not (tmp_path / ".run.a1b2c3d4.old").exists()
     assert not (out / "final.tmp").exists()
+
+
+def test_resume_with_other_masking_warns(corpus, tmp_path, capsys):
+    # Resumed without --whole-word-masking (or with another --max-predictions), a BERT-wwm
+    # run went on with character-level masking, and nothing said so.
+    out = tmp_path / "run"
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    args = ["pretrain", "--corpus", str(corpus), "--out", str(out), *TINY, *cache]
+    assert main([*args, "--steps", "2", "--save-every", "1", "--whole-word-masking"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--steps", "2", "--resume", "--max-predictions", "5"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: resuming" in err and "whole_word_masking False (checkpoint: True)" in err
+    assert "max_predictions 5 (checkpoint: None)" in err
 
 
 def test_config_file_nulls_threads_formats_and_its_place(corpus, tmp_path, capsys):

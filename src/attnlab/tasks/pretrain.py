@@ -46,6 +46,7 @@ from attnlab.train.grads import clipped_step, kept_embedding_grads
 from attnlab.train.memory import keep_freed_memory
 from attnlab.train.trainer import TrainConfig, Trainer, check_run_out, has_checkpoint, holds_run
 
+MASKING_SETTINGS = ("whole_word_masking", "static_masking", "mask_prob", "max_predictions")
 TOKENIZER_DIR = "tokenizer"  # inside the output: the vocabulary a resumed run must reuse
 MAX_BATCH_SIZE, MAX_SEQ_LEN = 1 << 20, 1 << 16  # sanity bounds on --batch-size, --seq-len
 
@@ -506,6 +507,8 @@ def trainer_config(opts: Any, warmup_divisor: int) -> TrainConfig:
             "batch_size": opts.batch_size,
             "seq_len": opts.seq_len,
             **{k: str(getattr(opts, k)) for k in ("objective", "teacher") if hasattr(opts, k)},
+            # the masking: a resumed run without --whole-word-masking changed it in silence
+            **{k: getattr(opts, k) for k in MASKING_SETTINGS if hasattr(opts, k)},
         },
     )
 
