@@ -327,30 +327,8 @@ def test_classify_end_to_end_keeps_the_best_dev_model(tiny_dir, tmp_path, capsys
     )  # fmt: skip
 
 
-def test_results_json_is_strict_json_when_a_score_is_undefined(tiny_dir, tmp_path, capsys):
-    # Equal gold scores leave the correlations undefined (NaN): results.json held a bare NaN,
-    # which strict JSON readers refuse; it is null, as in the printed summary.
-    rows = (DATA / "sts.csv").read_text().splitlines()
-    flat = [rows[0], *(",".join([*row.rsplit(",", 1)[:1], "3.0"]) for row in rows[1:])]
-    dev = write(tmp_path / "flat.csv", "\n".join(flat) + "\n")
-    out = tmp_path / "sts"
-    code, _, err = run(
-        capsys, "finetune", "--task", "regress", "--model", tiny_dir, "--train", DATA / "sts.csv",
-        "--dev", dev, "--text-column", "sentence1", "--text-pair-column", "sentence2",
-        "--label-column", "score", "--out", out, "--steps", "2", "--batch-size", "4", *FAST,
-    )  # fmt: skip
-    assert code == 0, err
-
-    def refuse(constant: str) -> None:
-        raise AssertionError(f"{constant} in results.json")
-
-    results = json.loads((out / "results.json").read_text(), parse_constant=refuse)
-    assert results["final"]["eval"]["pearson"] is None
-
-
-def test_a_dev_score_undefined_at_every_evaluation_keeps_the_last_model(tiny_dir, tmp_path, capsys):
-    # No evaluation gives a best model when every dev score is NaN (equal gold scores):
-    # results.json and the summary said the last step's model was kept, but --out held none.
+def test_a_dev_score_undefined_at_every_evaluation(tiny_dir, tmp_path, capsys):
+    # Equal gold scores leave the correlations undefined (NaN) at every evaluation.
     rows = (DATA / "sts.csv").read_text().splitlines()
     flat = [rows[0], *(",".join([*row.rsplit(",", 1)[:1], "3.0"]) for row in rows[1:])]
     dev = write(tmp_path / "flat.csv", "\n".join(flat) + "\n")
@@ -361,9 +339,19 @@ def test_a_dev_score_undefined_at_every_evaluation_keeps_the_last_model(tiny_dir
         "--label-column", "score", "--out", out, "--steps", "2", "--batch-size", "4", *FAST,
     )  # fmt: skip
     assert code == 0, err
+
+    # results.json held a bare NaN, which strict JSON readers refuse; it is null, as in the
+    # printed summary.
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in results.json")
+
+    results = json.loads((out / "results.json").read_text(), parse_constant=refuse)
+    assert results["final"]["eval"]["pearson"] is None
+
+    # No evaluation picks a best model: results.json and the summary said the last step's
+    # model was kept, but --out held none. It holds the final checkpoint's weights.
     assert json.loads(stdout)["kept"] == "last step"
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
-    # the model kept is the last step's: its weights are those of the final checkpoint
     saved = load_finetuned(out).model.state_dict()
     last = load_file(out / "checkpoints" / "step-2" / "model.safetensors")
     assert set(last) == set(saved)
