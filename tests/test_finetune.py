@@ -856,3 +856,28 @@ def test_python_api_checks_options_and_leaves_them_as_given(tiny_dir, tmp_path, 
     assert loaded.predict(texts) == expected and loaded.model.training
     with pytest.raises(AttnlabError, match=r"input 2: expected a text or a \(text, pair\) tuple"):
         loaded.predict(["fine", ["not", "a", "text"]])
+
+
+def test_two_processes_under_torchrun_finish_with_exit_0(tiny_dir, tmp_path):
+    # Before: rank 1 died with KeyError: 'results' (its summary has none) after rank 0 had
+    # written the model, so torchrun stopped rank 0 with SIGTERM and exited with code 1.
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ddp"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "attnlab"]
+    command += ["finetune", "--task", "classify", "--model", str(tiny_dir), "--train",
+                str(DATA / "sentiment.tsv"), "--text-column", "sentence", "--out", str(out),
+                "--steps", "2", "--batch-size", "4", "--save-every", "0", *FAST]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    (line,) = done.stdout.splitlines()  # the results once, from rank 0
+    assert json.loads(line)["final"]["step"] == 2
+    assert json.loads((out / "results.json").read_text())["final"]["step"] == 2

@@ -422,8 +422,9 @@ def cmd_finetune(args: argparse.Namespace) -> None:
     options = options_from(
         FinetuneOptions, args, ("task", "model", "train", "out"), ("model", "train", "dev", "out")
     )
-    results = finetune(options)["results"]
-    if _main_process():
+    summary = finetune(options)
+    if _main_process():  # the other ranks' summaries have no results
+        results = summary["results"]
         _print_json(results)
         kept = results["best"] or results["final"]
         _say(f"fine-tuned model ({results['kept']}, step {kept['step']}) written to {options.out}")
