@@ -136,6 +136,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--kill-at-batch", type=int)
     parser.add_argument("--kill-in-save", type=int)
@@ -152,6 +154,8 @@ def main() -> None:
         dropout=args.dropout,
         kill_at_batch=args.kill_at_batch,
         resume=args.resume,
+        log_every=args.log_every,
+        save_every=args.save_every,
     )
     if trainer.is_main:
         print(json.dumps(summary))

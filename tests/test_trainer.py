@@ -879,6 +879,31 @@ def test_two_ddp_processes_match_one_process_on_the_same_global_batch(tmp_path: 
     assert summary["step"] == 6 and summary["loss"] == pytest.approx(single["loss"], abs=1e-5)
 
 
+def test_resuming_with_another_number_of_processes_keeps_the_mean_of_a_logging_window(
+    tmp_path: Path,
+) -> None:
+    # A checkpoint inside a logging window holds its sums over the saving run's ranks. Before,
+    # a 2-process run resumed with 1 process divided them by 1 rank: the row after the resume
+    # showed about 1.5x the loss (and 1 -> 2 processes about 0.75x).
+    job = ["--steps", "6", "--batch-size", "8", "--dropout", "0"]
+    job += ["--log-every", "2", "--save-every", "3"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node", "2", str(HELPER), "--out", str(tmp_path / "ddp"), *job]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ddp = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "ddp", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-6")  # resume from step 3, mid-window
+    train(resumed, steps=6, batch_size=8, dropout=0.0, log_every=2, save_every=3, resume=True)
+    rows = [r for r in _rows(resumed) if not r.get("eval")]
+    expected = [r for r in _rows(tmp_path / "ddp") if not r.get("eval")]
+    assert [r["step"] for r in rows] == [r["step"] for r in expected] == [2, 4, 6]
+    for row, want in zip(rows, expected, strict=True):
+        assert row["loss"] == pytest.approx(want["loss"], abs=1e-5)
+        assert row["accuracy"] == pytest.approx(want["accuracy"], abs=1e-5)
+
+
 def _job_options(tmp_path: Path) -> list:
     """One options object of each training job, valid as built."""
     from attnlab.tasks.distill import DistillOptions

@@ -534,11 +534,16 @@ class Trainer:
             self.batches.load_state_dict(data[self.rank % len(data)])
             restore_rng(rng[self.rank % len(rng)], self.device)
             window = state["window"]
-            # The window's global sums go to rank 0 only, so the next all-reduce adds them once.
+            # The window's global sums go to rank 0 only, so the next all-reduce adds them once;
+            # they sum over the saving run's ranks, so another world size rescales them to this
+            # run's (the row divides by steps x this run's ranks).
             keep = self.is_main
+            saved_ranks = state.get("world_size", self.world_size)
+            sums = window["sums"]
+            if saved_ranks != self.world_size:
+                sums = {k: v * (self.world_size / saved_ranks) for k, v in sums.items()}
             self._window.sums = {
-                k: (v if keep else torch.zeros_like(v)).to(self.device)
-                for k, v in window["sums"].items()
+                k: (v if keep else torch.zeros_like(v)).to(self.device) for k, v in sums.items()
             }
             self._window.steps = window["steps"]
             self._window.tokens = window["tokens"] if keep else 0
