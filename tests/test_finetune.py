@@ -881,3 +881,22 @@ def test_two_processes_under_torchrun_finish_with_exit_0(tiny_dir, tmp_path):
     (line,) = done.stdout.splitlines()  # the results once, from rank 0
     assert json.loads(line)["final"]["step"] == 2
     assert json.loads((out / "results.json").read_text())["final"]["step"] == 2
+
+
+def test_a_batch_ranks_cannot_split_is_refused_before_overwrite_clears_out(
+    tiny_dir, tmp_path, capsys, monkeypatch
+):
+    # Before: under torchrun, --overwrite deleted the old run and only then did the trainer
+    # refuse a --batch-size the processes cannot split.
+    import attnlab.tasks.finetune
+    import attnlab.train.trainer
+
+    for module in (attnlab.tasks.finetune, attnlab.train.trainer):  # rank 0 of 2
+        monkeypatch.setattr(module, "init_distributed", lambda: (0, 2, 0))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    args = finetune_args(tiny_dir, DATA / "sentiment.tsv", out, "--text-column", "sentence")
+    code, _, err = run(capsys, *args, "--batch-size", "3", "--overwrite")
+    assert code == 2 and "not divisible by the 2 processes" in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]  # the old run, untouched

@@ -164,6 +164,27 @@ def test_two_processes_equal_one(corpus, vocab, tmp_path):
     assert loss_one == pytest.approx(loss_two, abs=1e-4)
 
 
+def test_a_batch_ranks_cannot_split_is_refused_before_overwrite_clears_out(
+    corpus, vocab, tmp_path, capsys, monkeypatch
+):
+    # Before: under torchrun, --overwrite deleted the old run (leaving only a new tokenizer/)
+    # and only then did the trainer refuse a --batch-size the processes cannot split.
+    import attnlab.tasks.pretrain
+    import attnlab.train.trainer
+
+    for module in (attnlab.tasks.pretrain, attnlab.train.trainer):  # rank 0 of 2
+        monkeypatch.setattr(module, "init_distributed", lambda: (0, 2, 0))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    args = ["pretrain", "--preset", "bert-tiny", "--batch-size", "7", "--seq-len", "32"]
+    args += ["--corpus", str(corpus), "--tokenizer", str(vocab), "--steps", "2"]
+    args += ["--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--overwrite"]
+    assert main(args) == 2
+    assert "must be divisible by the 2 processes" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]  # the old run, untouched
+
+
 def test_options_from_toml_and_yaml_with_flags_winning(corpus, tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text(

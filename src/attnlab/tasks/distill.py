@@ -380,7 +380,7 @@ def distill(opts: DistillOptions) -> dict[str, Any]:
     data_opts = opts.pretraining()
     if opts.overwrite:  # --overwrite replaces --out as a whole: the teacher must not be in it
         check_out_location(opts.out, [opts.teacher])
-    rank, _, _ = init_distributed()
+    rank, world_size, _ = init_distributed()
     check_out_dir(data_opts)  # on every rank, before any rank writes
     teacher, tokenizer = _load_teacher(opts)
     torch.manual_seed(opts.seed)  # a preset student's fresh weights are part of the run
@@ -400,6 +400,7 @@ def distill(opts: DistillOptions) -> dict[str, Any]:
     if rank == 0:
         try:
             job = prepare_data(data_opts, files, tokenizer)
+            job.batches.set_rank(rank, world_size)  # its split refused before --overwrite clears
         except AttnlabError as err:
             failure = err
     raise_together(failure)

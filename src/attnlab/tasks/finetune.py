@@ -716,10 +716,11 @@ def _save(run: FinetuneRun, opts: FinetuneOptions, model: nn.Module, where: Path
 
 def finetune(opts: FinetuneOptions) -> dict[str, Any]:
     """Fine-tune --model on --train (scoring --dev); the best model ends up in --out."""
-    rank, _, _ = init_distributed()
+    rank, world_size, _ = init_distributed()
     # prepare() fills in defaults: it gets a copy, and the caller's options stay as given
     opts = dataclasses.replace(opts)
     run = prepare(opts)
+    run.batches.set_rank(rank, world_size)  # its split refused before --overwrite clears --out
     if run.fresh:
         _say(f"{opts.model}: new randomly initialised {' and '.join(run.fresh)} for {opts.task}")
     stage = opts.out / BEST_DIR

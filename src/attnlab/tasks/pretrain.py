@@ -455,7 +455,7 @@ def pretrain(opts: PretrainOptions) -> dict[str, Any]:
     files = [Path(f) for f in opts.corpus] or [bundled_corpus()]
     for file in files:
         check_input_file(file, "corpus file")
-    rank, _, _ = init_distributed()
+    rank, world_size, _ = init_distributed()
     check_out_dir(opts)  # on every rank, before any rank writes
     # Rank 0 makes the vocabulary, tokenizes and checks everything; only then is anything
     # written to --out. A failure is shared with every rank, so none waits at a barrier.
@@ -464,6 +464,7 @@ def pretrain(opts: PretrainOptions) -> dict[str, Any]:
         try:
             tokenizer = run_tokenizer(opts, files)
             data = prepare_data(opts, files, tokenizer)
+            data.batches.set_rank(rank, world_size)  # its split refused before --overwrite clears
             torch.manual_seed(opts.seed)  # the initial weights are part of the run
             model = build_model(opts, tokenizer)
         except AttnlabError as err:

@@ -575,7 +575,7 @@ def train_translation(
     """Run (or resume) a translation training job; returns the trainer's summary."""
     opts.validate()
     config = trainer_config(opts)  # checked before anything is written
-    rank, _, _ = init_distributed()
+    rank, world_size, _ = init_distributed()
     check_out_dir(opts)  # on every rank, before any rank writes
     # Rank 0 reads the data, learns the vocabulary and checks everything; only then is anything
     # written to --out. A failure is shared with every rank, so none waits at a barrier.
@@ -583,6 +583,7 @@ def train_translation(
     if rank == 0:
         try:
             data = prepare(opts)
+            data.batches.set_rank(rank, world_size)  # its split refused before --overwrite clears
         except AttnlabError as err:
             failure = err
     raise_together(failure)
