@@ -113,6 +113,19 @@ def test_too_long_input_is_a_clear_error():
         model(torch.ones(1, 17, dtype=torch.long))
 
 
+def test_ids_outside_the_tables_are_a_clear_error():
+    # A tokenizer of another model (more tokens than vocab_size) or a third segment id failed
+    # as a bare IndexError "index out of range in self" inside the embedding lookup.
+    model = BertModel(BertConfig.preset("bert-tiny", vocab_size=50)).eval()
+    ids = torch.randint(1, 50, (2, 6))
+    with pytest.raises(AttnlabError, match=r"input_ids holds id 50, outside .* vocab_size 50"):
+        model(torch.cat((ids, torch.full((2, 1), 50)), 1))
+    with pytest.raises(AttnlabError, match="input_ids holds id -1"):
+        model(ids.masked_fill(ids == ids[0, 0], -1))
+    with pytest.raises(AttnlabError, match=r"token_type_ids holds id 2, .* type_vocab_size 2"):
+        model(ids, token_type_ids=torch.full_like(ids, 2))
+
+
 def _hf_count(config: BertConfig) -> int:
     from transformers import BertConfig as HFConfig
     from transformers import BertForPreTraining as HFPreTraining

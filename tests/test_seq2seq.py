@@ -213,6 +213,21 @@ def test_too_long_input_is_a_clear_error() -> None:
         model.encode(torch.full((1, 9), 5))
 
 
+def test_ids_outside_the_vocabularies_are_a_clear_error() -> None:
+    # Ids from a larger tokenizer failed as a bare IndexError inside the embedding lookup.
+    from attnlab.decode import greedy_search
+
+    model = tiny(share_embeddings=False, tgt_vocab_size=19)
+    src, _ = source_batch()
+    tgt = torch.randint(3, 19, (3, 4))
+    with pytest.raises(AttnlabError, match=r"src_ids holds id 23, outside .* src_vocab_size 23"):
+        model(src.masked_fill(src == src[0, 0], 23), tgt)
+    with pytest.raises(AttnlabError, match=r"tgt_ids holds id 19, outside .* tgt_vocab_size 19"):
+        model(src, tgt.masked_fill(tgt == tgt[0, 0], 19))
+    with pytest.raises(AttnlabError, match="src_ids holds id 30"):
+        greedy_search(model, src.masked_fill(src == src[0, 0], 30))
+
+
 # --- saving shared and tied weights -------------------------------------------------------
 
 

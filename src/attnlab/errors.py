@@ -33,3 +33,22 @@ def check_token_batch(ids: Any, name: str, **same_shape: Any) -> None:
             raise AttnlabError(
                 f"{other} must be a tensor shaped like {name} {tuple(ids.shape)}, got {shape}"
             )
+
+
+def check_id_range(ids: Any, name: str, size: int, field: str) -> None:
+    """Refuse ids (a tensor checked by check_token_batch) outside 0..size-1 of an embedding table.
+
+    The lookup would fail with a bare "index out of range in self" (a device-side assert on a
+    GPU); field names the config setting of the table's size.
+    """
+    if ids is None or ids.numel() == 0:
+        return
+    import torch
+
+    low, high = torch.stack(torch.aminmax(ids)).tolist()  # one pass, one read-back
+    if low < 0 or high >= size:
+        bad = low if low < 0 else high
+        raise AttnlabError(
+            f"{name} holds id {bad}, outside the model's {field} {size} (ids 0..{size - 1}): "
+            "are the inputs from this model's tokenizer?"
+        )

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.config import BertConfig
-from attnlab.errors import AttnlabError, check_token_batch
+from attnlab.errors import AttnlabError, check_id_range, check_token_batch
 from attnlab.nn.attention import padding_bias
 from attnlab.nn.blocks import ACTIVATION_FUNCTIONS, Encoder
 from attnlab.nn.dropout import Dropout
@@ -170,6 +170,10 @@ class BertModel(nn.Module):
         """
         check_token_batch(
             input_ids, "input_ids", attention_mask=attention_mask, token_type_ids=token_type_ids
+        )
+        check_id_range(input_ids, "input_ids", self.config.vocab_size, "vocab_size")
+        check_id_range(
+            token_type_ids, "token_type_ids", self.config.type_vocab_size, "type_vocab_size"
         )
         seq_len = input_ids.shape[1]
         if seq_len == 0:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.config import TransformerConfig
-from attnlab.errors import AttnlabError, check_token_batch
+from attnlab.errors import AttnlabError, check_id_range, check_token_batch
 from attnlab.nn.attention import KVCache, MultiHeadAttention, padding_bias
 from attnlab.nn.blocks import Decoder, Encoder
 from attnlab.nn.dropout import Dropout
@@ -167,6 +167,7 @@ class Transformer(nn.Module):
         src_mask (batch, src_len) is True/1 for real tokens; by default ``src_ids != pad_id``.
         """
         check_token_batch(src_ids, "src_ids", src_mask=src_mask)
+        check_id_range(src_ids, "src_ids", self.config.src_vocab_size, "src_vocab_size")
         if src_mask is None:
             src_mask = src_ids != self.config.pad_id
         src_len = src_ids.shape[1]
@@ -195,6 +196,7 @@ class Transformer(nn.Module):
         memory and src_mask may have one row per group of consecutive target rows (the beams of
         a sentence); the group then shares it.
         """
+        check_id_range(tgt_ids, "tgt_ids", self.config.tgt_vocab_size, "tgt_vocab_size")
         start = cache.length if cache is not None else 0
         new = tgt_ids.shape[1]
         self._check_length(start + new, "the target")
