@@ -462,6 +462,17 @@ def test_pretraining_loss_and_gradients_unchanged_by_computing_only_kept_positio
         assert (pruned[name] - p.grad).abs().max().item() <= 1e-5 * scale, name
 
 
+def test_mlm_labels_of_another_shape_are_named():
+    # They were refused as "keep must be a bool tensor shaped like input_ids", naming an
+    # argument the caller never passed; flattened (batch * seq,) labels, as HF's loss reads
+    # them, failed as a bare IndexError.
+    model = BertForPreTraining(BertConfig.preset("bert-tiny", vocab_size=50)).eval()
+    ids = torch.randint(1, 50, (2, 6))
+    for labels in (torch.full((2, 5), 3), torch.full((12,), 3)):
+        with pytest.raises(AttnlabError, match="mlm_labels must be a tensor shaped like input_ids"):
+            model(ids, mlm_labels=labels)
+
+
 def test_keep_is_checked():
     model = BertModel(BertConfig.preset("bert-tiny", vocab_size=50)).eval()
     ids = torch.randint(1, 50, (2, 6))

@@ -288,6 +288,7 @@ class BertForPreTraining(nn.Module):
         ``mlm_normalizer`` replaces the per-batch count of masked tokens as the divisor of the
         summed MLM loss, so that micro-batches and DDP ranks add up to the full batch's mean.
         """
+        check_token_batch(input_ids, "input_ids", mlm_labels=mlm_labels)
         masked = keep = None
         if mlm_labels is not None:
             # The loss reads the last layer at the masked positions (and [CLS] for the
