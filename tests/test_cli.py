@@ -284,6 +284,29 @@ def test_embed_and_fill_mask_from_python_switch_dropout_off(minilm_dir, tiny_mlm
     assert mlm.training
 
 
+@pytest.mark.parametrize("pooling", ["mean", "cls", "none"])
+def test_embed_from_python_sends_the_batches_to_the_models_device(minilm_dir, pooling):
+    # A model moved to a GPU got CPU batches ("Expected all tensors to be on the same
+    # device"). Here the model sits on the meta device and its forward pass records where its
+    # inputs are (no second real device on a CPU machine).
+    from attnlab.models.bert import BertOutput
+    from attnlab.tasks.embed import embed
+
+    model = BertModel(BertConfig.preset("bert-tiny")).to("meta")
+    seen = []
+
+    def forward(input_ids, attention_mask, token_type_ids, keep=None):
+        seen.append({t.device.type for t in (input_ids, attention_mask, token_type_ids)})
+        rows = input_ids.shape if keep is None else input_ids.shape[:1]  # [CLS] alone
+        return BertOutput(torch.zeros(*rows, 128, device=input_ids.device), None)
+
+    model.forward = forward
+    tokenizer = BertTokenizer.from_vocab(minilm_dir / "vocab.txt")
+    vectors = embed(model, tokenizer, ["a sentence", "another longer sentence"], pooling=pooling)
+    assert seen == [{"meta"}]
+    assert all(v.device.type == "meta" for v in vectors)
+
+
 def test_embed_input_file_equals_stdin(cli, tiny_dir, tmp_path):
     lines = ["short", "", VARIED_SENTENCES[1], "x y"]
     file = tmp_path / "lines.txt"

@@ -94,7 +94,8 @@ def embed(
     max_length defaults to the model's max_positions; longer texts are truncated (reported
     through on_truncate with the count) or, when truncate=False, an error naming the line.
     A single string is one text; a model with pretraining heads embeds with its encoder. The
-    model runs in evaluation mode (no dropout) and is left in the mode it came in.
+    model runs in evaluation mode (no dropout) and is left in the mode it came in; the batches
+    go to the model's device, where the vectors stay.
     """
     if isinstance(texts, str):
         texts = [texts]
@@ -122,21 +123,25 @@ def embed(
     if truncated and on_truncate is not None:
         on_truncate(len(truncated))
     results: list[Tensor | None] = [None] * len(encodings)
-    autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else nullcontext()
+    device = next(model.parameters()).device  # the batches go where the model is (a GPU)
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
     # fp32 runs on weights packed once for every batch (bf16 autocast takes the plain path).
     with eval_mode(model), packed_linears(model) if dtype is None else nullcontext():
         for batch in length_batches(encodings, tokenizer.pad_id, max_tokens, max_batch):
+            ids, mask, types = (
+                t.to(device) for t in (batch.input_ids, batch.attention_mask, batch.token_type_ids)
+            )
             # [CLS] pooling reads one row, so the last layer computes only that row.
-            keep = cls_only(batch.input_ids) if pooling == "cls" else None
+            keep = cls_only(ids) if pooling == "cls" else None
             with autocast:
-                out = model(batch.input_ids, batch.attention_mask, batch.token_type_ids, keep=keep)
+                out = model(ids, mask, types, keep=keep)
             hidden = out.last_hidden_state.float()  # (batch, d) with keep
             if pooling == "none":  # per-token vectors, each unit length with normalize
                 rows = F.normalize(hidden, dim=-1) if normalize else hidden
                 for row, index in enumerate(batch.indices):
                     results[index] = rows[row, : int(batch.attention_mask[row].sum())].clone()
             else:
-                vectors = hidden if keep is not None else mean_pool(hidden, batch.attention_mask)
+                vectors = hidden if keep is not None else mean_pool(hidden, mask)
                 if normalize:
                     vectors = F.normalize(vectors, dim=-1)
                 for row, index in enumerate(batch.indices):
