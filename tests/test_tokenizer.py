@@ -309,6 +309,28 @@ def test_decode_and_conversions_match_hf(ours, hf):
     assert ours.decode(ours.encode("Hello, World!").ids) == "hello, world!"
 
 
+@pytest.mark.parametrize("clean_up", [True, False])
+def test_decode_follows_clean_up_tokenization_spaces(clean_up, tmp_path):
+    # bert-base-uncased and bert-base-chinese on the Hub set it to true; transformers then
+    # decoded "don't" and "it's" as such where attnlab gave "don ' t" and "it ' s".
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(CHECKPOINT, checkpoint)
+    config = json.loads((checkpoint / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["clean_up_tokenization_spaces"] = clean_up
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    ours, hf = BertTokenizer.from_dir(checkpoint), BertTokenizerFast.from_pretrained(checkpoint)
+    saved = tmp_path / "saved"
+    ours.save(saved)
+    reloaded, hf_reloaded = BertTokenizer.from_dir(saved), BertTokenizerFast.from_pretrained(saved)
+    for line in [*LINES[::25], "Hello , world ! don't do n't it 's I 'm we 've they 're"]:
+        ids = ours.encode(line).ids
+        for skip in (True, False):
+            want = hf.decode(ids, skip_special_tokens=skip)
+            assert ours.decode(ids, skip_special_tokens=skip) == want, f"differs for {line!r}"
+            assert reloaded.decode(ids, skip_special_tokens=skip) == want
+            assert hf_reloaded.decode(ids, skip_special_tokens=skip) == want
+
+
 def test_vocabulary_and_special_ids(ours):
     assert ours.vocab_size == CHECKPOINT_VOCAB_SIZE
     assert (ours.pad_id, ours.unk_id, ours.cls_id, ours.sep_id, ours.mask_id) == (

@@ -97,6 +97,9 @@ class BertTokenizer:
         self._strip_accents = strip_accents
         self._tokenize_chinese_chars = tokenize_chinese_chars
         self.max_length = max_length
+        # tokenizer_config.json's clean_up_tokenization_spaces (transformers 5's default False):
+        # when true, transformers' decode joins " ," " 's" " n't" and the like (from_dir sets it).
+        self._clean_up_spaces = False
 
         # Registered as special added tokens so that "[MASK]" typed in text stays one token
         # and decode(skip_special_tokens=True) drops them, as in transformers.
@@ -205,6 +208,9 @@ class BertTokenizer:
             ok = isinstance(stored, int) and not isinstance(stored, bool) and 0 < stored < _NO_LIMIT
             max_length = stored if ok else 512
         tokenizer = cls(backend, lowercase, strip_accents, chinese, max_length)
+        tokenizer._clean_up_spaces = bool(
+            _config_value(config, "clean_up_tokenization_spaces", False, config_path)
+        )
         tokenizer._add_recorded_tokens(added, root)
         return tokenizer
 
@@ -254,7 +260,8 @@ class BertTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Turn ids back into text, joining ## continuations (lowercasing is not undone)."""
         self._check_ids(ids)
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self._clean_up_spaces else text
 
     # ---- saving -------------------------------------------------------------------------
 
@@ -275,6 +282,7 @@ class BertTokenizer:
             "strip_accents": self._strip_accents,
             "tokenize_chinese_chars": self._tokenize_chinese_chars,
             "model_max_length": self.max_length,
+            "clean_up_tokenization_spaces": self._clean_up_spaces,
             "pad_token": PAD,
             "unk_token": UNK,
             "cls_token": CLS,
@@ -434,6 +442,16 @@ def _to_encoding(encoding: tokenizers.Encoding, max_length: int) -> Encoding:
     # `overflowing`, which Python receives as a copy of every overflow window.
     truncated = len(ids) == max_length and len(encoding.overflowing) > 0
     return Encoding(ids, encoding.type_ids, truncated)
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """transformers' clean_up_tokenization: no space before punctuation and English clitics."""
+    for spaced, joined in (
+        (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
+        (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
+    ):  # fmt: skip
+        text = text.replace(spaced, joined)
+    return text
 
 
 def _check_max_length(value: object, name: str, minimum: int = 2) -> None:
