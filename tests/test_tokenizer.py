@@ -490,6 +490,27 @@ def test_from_dir_reads_added_tokens_beside_vocab_txt(layout, tmp_path):
         assert ours.decode(encoded) == hf.decode(encoded, skip_special_tokens=True)
 
 
+def test_added_tokens_decoder_beside_tokenizer_json_is_read(tmp_path):
+    # transformers adds the tokens of added_tokens_decoder that tokenizer.json lacks; attnlab
+    # ignored them, splitting "<ent>" into "<", "en", "##t", ">" and its vocab_size 2 short.
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(CHECKPOINT, checkpoint)
+    config = json.loads((checkpoint / "tokenizer_config.json").read_text(encoding="utf-8"))
+    flags = {"lstrip": False, "rstrip": False, "single_word": False}
+    config["added_tokens_decoder"] = {
+        "30522": {"content": "<ent>", "special": True, "normalized": False, **flags},
+        "30523": {"content": "Foo", "special": False, "normalized": True, **flags},
+    }
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    ours, hf = BertTokenizer.from_dir(checkpoint), BertTokenizerFast.from_pretrained(checkpoint)
+    assert ours.vocab_size == len(hf) == CHECKPOINT_VOCAB_SIZE + 2
+    for text in ["a <ent> foo Foo b", "<ent><ent>", *LINES[::50]]:
+        assert ours.encode(text).ids == hf(text)["input_ids"], f"differs for {text!r}"
+    ids = ours.encode("a <ent> foo b").ids
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+    assert ours.special_ids >= {30522} and 30523 not in ours.special_ids
+
+
 @pytest.mark.parametrize("layout", sorted(ADDED_LAYOUTS))
 def test_special_ids_are_every_token_marked_special(layout, tmp_path):
     # masking never chooses a special id; transformers' reading of the flags is the reference

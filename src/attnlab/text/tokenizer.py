@@ -182,7 +182,15 @@ class BertTokenizer:
                     f"{tokenizer_json} holds a {type(backend.model).__name__} model, "
                     "not WordPiece: is this a BERT checkpoint?"
                 )
-            added: list[tuple[int, AddedToken]] = []  # tokenizer.json holds its own
+            # tokenizer.json holds its own added tokens; transformers also adds those of
+            # added_tokens_decoder that it lacks, with their recorded ids.
+            added = []
+            if "added_tokens_decoder" in config:
+                added = [
+                    (token_id, token)
+                    for token_id, token in _recorded_added_tokens(root, config)
+                    if backend.token_to_id(token.content) is None
+                ]
         elif vocab_txt.is_file():
             backend = tokenizers.Tokenizer(
                 models.WordPiece(
