@@ -454,6 +454,24 @@ def test_an_out_in_a_loop_of_links_is_one_error_line(cli, tiny_dir, corpus, tmp_
         assert_one_error(*cli(*args), "cannot be used: Symlink loop")
 
 
+def test_overwrite_of_a_linked_out_replaces_the_folder_it_names(cli, tiny_dir, tmp_path):
+    # The link itself was moved aside and deleted: --out became a new real folder, and the
+    # folder the link named (the old output, on the disk the user chose) stayed as it was.
+    from attnlab.io import clear_dir
+
+    target, link = tmp_path / "disk" / "model", tmp_path / "link"
+    target.mkdir(parents=True)
+    (target / "old.txt").write_text("old")
+    link.symlink_to(target, target_is_directory=True)
+    code, _, err = cli("export", "--model", tiny_dir, "--out", link, "--overwrite")
+    assert code == 0, err
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert (target / "config.json").is_file() and not (target / "old.txt").exists()
+    assert os.listdir(target.parent) == ["model"]  # no stage or trash left beside it
+    clear_dir(link)  # what a training job's --overwrite does first
+    assert link.is_symlink() and os.listdir(target) == []
+
+
 @pytest.mark.parametrize(
     ("command", "redirect", "fragment"),
     [

@@ -240,6 +240,8 @@ def clear_dir(out: Path) -> None:
     beside the new run's vocabulary, for --resume to continue by mistake).
     """
     out = Path(out)
+    if out.is_symlink():  # the folder it names is cleared, the link stays (as in staged_dir)
+        out = resolved_path(out, "--out")
     remove_trash_of(out)  # what a kill during an earlier clear left beside out
     if out.exists():
         trash = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
@@ -295,6 +297,8 @@ def staged_dir(out: Path, overwrite: bool = False, flag: str = "--out") -> Itera
     """
     out = Path(out)
     check_out_dir(out, overwrite, flag=flag)
+    if out.is_symlink():  # the folder it names is replaced, the link stays
+        out = resolved_path(out, flag)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = _temp_name(out)
     stage.mkdir()
