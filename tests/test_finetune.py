@@ -325,6 +325,12 @@ def test_classify_end_to_end_keeps_the_best_dev_model(tiny_dir, tmp_path, capsys
             "--output", tmp_path / "pred.jsonl"),
         "exists",
     )  # fmt: skip
+    # --overwrite replaces it, keeping its permissions (a private file was made 0644)
+    (tmp_path / "pred.jsonl").chmod(0o600)
+    code, _, err = run(capsys, "predict", "--model", out, "--input", DATA / "sentiment_dev.tsv",
+                       "--output", tmp_path / "pred.jsonl", "--overwrite")  # fmt: skip
+    assert code == 0, err
+    assert (tmp_path / "pred.jsonl").stat().st_mode & 0o777 == 0o600
 
 
 def test_a_dev_score_undefined_at_every_evaluation(tiny_dir, tmp_path, capsys):

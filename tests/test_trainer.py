@@ -1076,6 +1076,23 @@ def test_a_librarys_write_error_is_one_line_and_leaves_nothing(tmp_path, monkeyp
     assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
+def test_a_replaced_file_keeps_its_permissions(tmp_path):
+    # predict --output x --overwrite onto a private (0600) x, a resumed run's metrics.jsonl, a
+    # translation model's weights: the new file came with the umask's 0644, readable by all.
+    from attnlab import io
+
+    for write in (
+        lambda path: io.write_text_atomic(path, "new\n"),
+        lambda path: io.write_with_atomic(path, lambda tmp: tmp.write_text("new\n")),
+    ):
+        path = tmp_path / "private.jsonl"
+        path.write_text("old\n")
+        path.chmod(0o600)
+        write(path)
+        assert path.read_text() == "new\n" and path.stat().st_mode & 0o777 == 0o600
+        path.unlink()
+
+
 def test_write_errors_name_the_users_path_not_the_temp_file(tmp_path, monkeypatch):
     # A full disk surfaces while the temp file (.NAME.<hex>.tmp) or staged directory is
     # written; the error named that path, which the user never gave and which is gone.

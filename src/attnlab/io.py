@@ -9,6 +9,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -45,6 +46,8 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if path.exists():  # a file replaced keeps its permissions (a private one stays so)
+            os.chmod(tmp, _mode_of(path))
         os.replace(tmp, path)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
@@ -122,6 +125,10 @@ def _default_mode() -> int:
     return 0o666 & ~umask
 
 
+def _mode_of(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
 def write_with_atomic(path: Path, writer: Callable[[Path], None]) -> None:
     """Call writer(tmp_path) and rename the result onto path (for libraries that write files)."""
     path = Path(path)
@@ -129,7 +136,8 @@ def write_with_atomic(path: Path, writer: Callable[[Path], None]) -> None:
     tmp = _temp_name(path)
     try:
         writer(tmp)
-        os.chmod(tmp, _default_mode())  # safetensors >= 0.8 creates its files 0600
+        # safetensors >= 0.8 creates its files 0600; a file replaced keeps its permissions
+        os.chmod(tmp, _mode_of(path) if path.exists() else _default_mode())
         os.replace(tmp, path)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
