@@ -1093,6 +1093,30 @@ def test_a_replaced_file_keeps_its_permissions(tmp_path):
         path.unlink()
 
 
+def test_an_out_filled_while_a_staged_write_ran_is_not_replaced(tmp_path):
+    # Two exports (or tokenizer trainings) into one new --out at once: each checked that out
+    # was free when it began, and the one that finished last deleted the other's output.
+    from attnlab import io
+
+    out = tmp_path / "model"
+    filled = pytest.raises(AttnlabError, match="filled by another command")
+    with filled as caught, io.staged_dir(out) as stage:
+        (stage / "mine.txt").write_text("mine")
+        out.mkdir()
+        (out / "theirs.txt").write_text("theirs")  # the other command, done first
+    assert "--overwrite" in str(caught.value)
+    assert os.listdir(out) == ["theirs.txt"] and os.listdir(tmp_path) == ["model"]
+    # an empty folder (or one with only a killed write's temp files) is still no output
+    (out / "theirs.txt").unlink()
+    (out / f".x.{'0' * 32}.tmp").write_text("")
+    with io.staged_dir(out) as stage:
+        (stage / "mine.txt").write_text("mine")
+    assert os.listdir(out) == ["mine.txt"] and os.listdir(tmp_path) == ["model"]
+    with io.staged_dir(out, overwrite=True) as stage:
+        (stage / "again.txt").write_text("again")
+    assert os.listdir(out) == ["again.txt"] and os.listdir(tmp_path) == ["model"]
+
+
 def test_write_errors_name_the_users_path_not_the_temp_file(tmp_path, monkeypatch):
     # A full disk surfaces while the temp file (.NAME.<hex>.tmp) or staged directory is
     # written; the error named that path, which the user never gave and which is gone.

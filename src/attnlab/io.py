@@ -316,6 +316,18 @@ def staged_dir(out: Path, overwrite: bool = False, flag: str = "--out") -> Itera
         shutil.rmtree(stage, ignore_errors=True)
         raise_for_target(err, stage, out)
         raise
+    if not overwrite:
+        try:  # atomic onto nothing or an empty folder; refused by the system onto files
+            os.replace(stage, out)
+            return
+        except OSError:
+            if contents(out):  # written by another command since the check above
+                shutil.rmtree(stage, ignore_errors=True)
+                how = "--overwrite" if flag.startswith("--") else "overwrite=True"
+                raise AttnlabError(
+                    f"{flag} {out} was filled by another command while this one ran: "
+                    f"nothing was replaced (pass {how} to replace it)"
+                ) from None
     if out.exists():
         trash = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
         os.replace(out, trash / "old")
