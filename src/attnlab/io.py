@@ -46,8 +46,7 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        if path.exists():  # a file replaced keeps its permissions (a private one stays so)
-            os.chmod(tmp, _mode_of(path))
+        os.chmod(tmp, _mode_for(path))
         os.replace(tmp, path)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
@@ -125,8 +124,10 @@ def _default_mode() -> int:
     return 0o666 & ~umask
 
 
-def _mode_of(path: Path) -> int:
-    return stat.S_IMODE(path.stat().st_mode)
+def _mode_for(path: Path) -> int:
+    """Permissions for a file written to path: the replaced file's (a private one stays so),
+    else the umask's."""
+    return stat.S_IMODE(path.stat().st_mode) if path.exists() else _default_mode()
 
 
 def write_with_atomic(path: Path, writer: Callable[[Path], None]) -> None:
@@ -136,8 +137,7 @@ def write_with_atomic(path: Path, writer: Callable[[Path], None]) -> None:
     tmp = _temp_name(path)
     try:
         writer(tmp)
-        # safetensors >= 0.8 creates its files 0600; a file replaced keeps its permissions
-        os.chmod(tmp, _mode_of(path) if path.exists() else _default_mode())
+        os.chmod(tmp, _mode_for(path))  # safetensors >= 0.8 creates its files 0600
         os.replace(tmp, path)
     except BaseException as err:
         tmp.unlink(missing_ok=True)

@@ -62,9 +62,7 @@ def plot_loss_curve(rows: list[dict[str, Any]], path: Path) -> bool:
     train = [row for row in rows if not row.get("eval") and "loss" in row]
     evals = [row for row in rows if row.get("eval")]
     # "best": true marks a row, it is no score (drawn, it read as a dev score of 1.0)
-    eval_keys = sorted(
-        {k for row in evals for k, v in row.items() if k not in ("step", "eval", "best")}
-    )
+    eval_keys = sorted({k for row in evals for k in row if k not in ("step", "eval", "best")})
     loss_keys = [k for k in eval_keys if "loss" in k]
     other_keys = [k for k in eval_keys if "loss" not in k]
 
