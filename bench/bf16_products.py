@@ -2,8 +2,9 @@
 
 For bert-small's training products (4,096 tokens; the feed-forward, fused QKV and MLM-decoder
 shapes) it times one linear layer's forward and backward under CPU bf16 autocast, once with
-``F.linear`` (PyTorch's bf16 kernel, emulated on a CPU without avx512_bf16/AMX) and once with
-attnlab's ``linear`` (there, the fp32 kernel on bf16-rounded inputs: ``bf16_by_fp32``), and
+``F.linear`` (PyTorch's bf16 kernel: emulated on a CPU without avx512_bf16/AMX) and once with
+attnlab's ``linear`` (where that kernel is slow, the fp32 one on bf16-rounded inputs:
+``bf16_by_fp32``), and
 attnlab's fp32 ``linear`` for reference; median of ``--repeats`` after one warm-up. It also
 prints how far apart the two bf16 outputs are: the share of elements that differ (sums taken
 in another order can round to the neighbouring bf16 value) and the largest difference
@@ -59,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from attnlab.cpu import has_bf16_matmul
+    from attnlab.cpu import fast_bf16_matmul
     from attnlab.nn.linear import bf16_by_fp32, linear
     from attnlab.train.memory import keep_freed_memory
 
@@ -68,7 +69,7 @@ def main() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         route = bf16_by_fp32(torch.empty(1))
     print(
-        f"machine: {machine()}; bf16 matrix instructions: {has_bf16_matmul()}; "
+        f"machine: {machine()}; bf16 products faster than fp32: {fast_bf16_matmul()}; "
         f"attnlab's bf16 products by the fp32 kernel: {route}",
         file=sys.stderr,
     )

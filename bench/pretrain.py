@@ -11,10 +11,12 @@ projection and feed-forward at the masked positions and [CLS] only: no loss read
 It also prints the utilisation with the last layer counted at every position. The peak is
 measured before and after the runs; the higher one is the yardstick.
 
-With bf16 on a CPU without bf16 matrix instructions (no avx512_bf16 or AMX), attnlab computes
-autocast's bf16 products with the fp32 kernel (attnlab/nn/linear.py: same numbers up to the
-order of the sums) while HF runs PyTorch's emulated bf16 kernels, about 5x slower than fp32
-there; the script says so when that is the case, since the ratio then measures that choice.
+With bf16 on a CPU that multiplies bf16 no faster than fp32 (no AMX, nor AMD's avx512_bf16;
+attnlab/cpu.py), attnlab computes autocast's bf16 products with the fp32 kernel
+(attnlab/nn/linear.py: same numbers up to the order of the sums) while HF runs PyTorch's bf16
+kernels: emulated without avx512_bf16 (about 5x slower than fp32), with Intel's avx512_bf16
+about 1.5x slower; the script says so when that is the case, since the ratio then measures
+that choice.
 
 The systems run ``--rounds`` times (default 2), interleaved (HF, HF foreach, attnlab, then
 the reverse order, ...), and each one's fastest round counts: this shared machine's speed
@@ -148,7 +150,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     from attnlab.config import BertConfig
-    from attnlab.cpu import has_bf16_matmul
+    from attnlab.cpu import fast_bf16_matmul
     from attnlab.tasks.pretrain import synthetic_batch
 
     config = BertConfig.preset(args.preset)
@@ -167,10 +169,10 @@ def main() -> None:
     peak = matmul_peak_flops()
     tokens = args.batch_size * args.seq_len
     print(f"machine: {machine()}; fp32 matmul peak {peak / 1e9:.1f} GFLOP/s", file=sys.stderr)
-    if args.precision == "bf16" and has_bf16_matmul() is False:
+    if args.precision == "bf16" and fast_bf16_matmul() is False:
         print(
-            "note: no bf16 matrix instructions here: attnlab's bf16 products run on the fp32 "
-            "kernel, HF's on PyTorch's emulated bf16 kernel",
+            "note: bf16 products are no faster than fp32 here: attnlab's run on the fp32 "
+            "kernel, HF's on PyTorch's slower bf16 kernel",
             file=sys.stderr,
         )
     result = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from attnlab.cpu import cpu_field, cpu_vendor, has_bf16_matmul
+from attnlab.cpu import cpu_field, cpu_vendor, fast_bf16_matmul
 
 INTEL = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -27,14 +27,24 @@ def test_fields_of_the_first_processor(tmp_path: Path) -> None:
     assert cpu_vendor(str(tmp_path / "missing")) == ""
 
 
-def test_bf16_matmul_from_the_flags(tmp_path: Path) -> None:
+def cpuinfo(tmp_path: Path, vendor: str, flags: str) -> str:
+    """A one-processor /proc/cpuinfo with that vendor and those flags; returns its path."""
+    path = tmp_path / f"{vendor}-{len(list(tmp_path.iterdir()))}"
+    path.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: {flags}\n")
+    return str(path)
+
+
+def test_fast_bf16_products_from_vendor_and_flags(tmp_path: Path) -> None:
+    # Fast where measured faster than fp32: AMX, and AMD's avx512_bf16 (Zen 4).
+    assert fast_bf16_matmul(cpuinfo(tmp_path, "GenuineIntel", "avx512f amx_bf16 amx_tile"))
+    assert fast_bf16_matmul(cpuinfo(tmp_path, "AuthenticAMD", "avx2 avx512f avx512_bf16"))
+    # Not fast: no bf16 instructions (emulated), and Intel's avx512_bf16 without AMX (slower
+    # than fp32 on the 2-core Xeon of bench/RESULTS.md, whose flags these are).
+    assert fast_bf16_matmul(cpuinfo(tmp_path, "GenuineIntel", "avx2 avx512f avx512_vnni")) is False
+    assert fast_bf16_matmul(cpuinfo(tmp_path, "AuthenticAMD", "avx2 avx512f")) is False
+    intel_bf16 = "avx512f avx512_bf16 avx512_fp16 avx512_vnni"
+    assert fast_bf16_matmul(cpuinfo(tmp_path, "GenuineIntel", intel_bf16)) is False
     without = tmp_path / "without"
     without.write_text(INTEL)  # AVX-512 but neither avx512_bf16 nor amx_bf16
-    assert has_bf16_matmul(str(without)) is False
-    amd = tmp_path / "amd"
-    amd.write_text("vendor_id\t: AuthenticAMD\nflags\t\t: avx2 avx512f avx512_bf16\n")
-    assert has_bf16_matmul(str(amd)) is True
-    amx = tmp_path / "amx"
-    amx.write_text("flags\t\t: avx512f amx_tile amx_bf16 amx_int8\n")
-    assert has_bf16_matmul(str(amx)) is True
-    assert has_bf16_matmul(str(tmp_path / "missing")) is None  # not Linux: unknown
+    assert fast_bf16_matmul(str(without)) is False
+    assert fast_bf16_matmul(str(tmp_path / "missing")) is None  # not Linux: unknown

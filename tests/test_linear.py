@@ -97,7 +97,7 @@ def test_onednn_on_amd_only(monkeypatch, vendor, onednn):
     assert linear_module.onednn_trains_faster.__wrapped__() is onednn  # uncached
 
 
-# bf16 autocast on a CPU without bf16 matrix instructions: the same bf16 products by the fp32
+# bf16 autocast on a CPU without fast bf16 products: the same bf16 products by the fp32
 # kernel (nn/linear.py). The reference is autocast's own F.linear / matmul, PyTorch's bf16
 # kernel, which computes bf16 products on any CPU (emulated where the instructions are missing).
 BF16 = torch.bfloat16
@@ -105,8 +105,8 @@ BF16 = torch.bfloat16
 
 @pytest.fixture
 def bf16_by_fp32(monkeypatch):
-    """This CPU taken for one without bf16 instructions, so the fp32-kernel route runs."""
-    monkeypatch.setattr(linear_module, "has_bf16_matmul", lambda: False)
+    """This CPU taken for one without fast bf16 products, so the fp32-kernel route runs."""
+    monkeypatch.setattr(linear_module, "fast_bf16_matmul", lambda: False)
 
 
 def autocast_grads(fn, tensors, upstream):
@@ -166,13 +166,13 @@ def test_bf16_matmul_by_fp32_equals_autocasts(bf16_by_fp32):
 
 def test_bf16_route_only_without_bf16_instructions_and_only_under_autocast(monkeypatch):
     x, w = torch.randn(3, 8), torch.randn(4, 8)
-    monkeypatch.setattr(linear_module, "has_bf16_matmul", lambda: True)
+    monkeypatch.setattr(linear_module, "fast_bf16_matmul", lambda: True)
     with torch.autocast("cpu", dtype=BF16):
         assert not linear_module.bf16_by_fp32(x, w)  # the CPU's own bf16 kernel
-    monkeypatch.setattr(linear_module, "has_bf16_matmul", lambda: None)
+    monkeypatch.setattr(linear_module, "fast_bf16_matmul", lambda: None)
     with torch.autocast("cpu", dtype=BF16):
         assert not linear_module.bf16_by_fp32(x, w)  # unknown CPU: left to PyTorch
-    monkeypatch.setattr(linear_module, "has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(linear_module, "fast_bf16_matmul", lambda: False)
     assert not linear_module.bf16_by_fp32(x, w)  # no autocast: fp32 products
     with torch.autocast("cpu", dtype=BF16):
         assert linear_module.bf16_by_fp32(x, w)

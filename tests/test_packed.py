@@ -65,11 +65,11 @@ def test_packed_linear_falls_back_where_gradients_are_needed() -> None:
 
 def test_packed_linear_under_bf16_autocast_takes_linears_bf16_route(monkeypatch) -> None:
     # Packed weights are fp32-only; under bf16 autocast a packed layer runs attnlab's linear(),
-    # which on a CPU without bf16 instructions computes the bf16 products by the fp32 kernel
-    # (nn/linear.py), not PyTorch's emulated bf16 kernel.
+    # which on a CPU without fast bf16 products computes them by the fp32 kernel
+    # (nn/linear.py), not PyTorch's slower bf16 kernel.
     import attnlab.nn.linear as linear_module
 
-    monkeypatch.setattr(linear_module, "has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(linear_module, "fast_bf16_matmul", lambda: False)
     calls = []
     apply = linear_module._Bf16Linear.apply
     monkeypatch.setattr(linear_module._Bf16Linear, "apply", lambda *a: calls.append(1) or apply(*a))

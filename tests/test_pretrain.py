@@ -421,7 +421,7 @@ def test_compiled_pretraining_step_equals_eager_with_dropout() -> None:
 
 
 def test_bf16_pretraining_by_the_fp32_kernel_equals_autocasts_own(monkeypatch) -> None:
-    # On a CPU without bf16 matrix instructions attnlab computes autocast's bf16 products with
+    # On a CPU without fast bf16 products attnlab computes autocast's bf16 products with
     # the fp32 kernel (nn/linear.py). A whole BERT forward and backward (with attention
     # dropout: the explicit path's matmuls) must then give what PyTorch's bf16 kernels give,
     # up to bf16 roundings of sums taken in another order (measured: 2e-7 relative at most).
@@ -439,7 +439,7 @@ def test_bf16_pretraining_by_the_fp32_kernel_equals_autocasts_own(monkeypatch) -
     apply = linear_module._Bf16MatMul.apply
     monkeypatch.setattr(linear_module._Bf16MatMul, "apply", lambda *a: calls.append(1) or apply(*a))
     for native in (True, False):  # PyTorch's bf16 kernel, then attnlab's route
-        monkeypatch.setattr(linear_module, "has_bf16_matmul", lambda native=native: native)
+        monkeypatch.setattr(linear_module, "fast_bf16_matmul", lambda native=native: native)
         calls.clear()
         torch.manual_seed(1)
         model.zero_grad(set_to_none=True)

@@ -2,9 +2,13 @@
 
 Two choices depend on it: which library computes the training products (nn/linear.py: oneDNN
 on AMD, MKL elsewhere, each the faster one where measured), and whether bf16 autocast can be
-fast: without bf16 matrix instructions PyTorch emulates its bf16 products (a bert-small
-pretraining step ran about 4x slower than in fp32), so attnlab computes them with the fp32
-kernel instead (nn/linear.py) and the trainer notes that bf16 is no faster than fp32 there.
+fast. PyTorch's bf16 products beat its fp32 ones only where the CPU multiplies bf16 faster
+than fp32: with AMX, and with AMD's avx512_bf16 (a bert-small step 1.7-2.2x faster than fp32
+on a Zen 4 host). Without the instructions PyTorch emulates them (about 4x slower than fp32),
+and Intel's avx512_bf16 without AMX was slower than fp32 too (bert-small's products forward
+and backward at 0.65-0.68x the fp32 kernel's speed, a 2-core Xeon, bench/RESULTS.md). There attnlab
+computes the bf16 products with the fp32 kernel (nn/linear.py) and the trainer notes that
+bf16 is no faster than fp32.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import functools
 
 CPUINFO = "/proc/cpuinfo"
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # instructions that multiply bf16 matrices natively
+AMX_BF16, AVX512_BF16 = "amx_bf16", "avx512_bf16"  # bf16 matrix instructions
 
 
 def cpu_field(name: str, cpuinfo: str = CPUINFO) -> str:
@@ -34,9 +38,11 @@ def cpu_vendor(cpuinfo: str = CPUINFO) -> str:
 
 
 @functools.cache
-def has_bf16_matmul(cpuinfo: str = CPUINFO) -> bool | None:
-    """Whether the CPU multiplies bf16 natively (avx512_bf16 or amx_bf16); None where unknown."""
+def fast_bf16_matmul(cpuinfo: str = CPUINFO) -> bool | None:
+    """Whether PyTorch's bf16 products beat fp32 here (AMX; avx512_bf16 on AMD); None if unknown."""
     flags = cpu_field("flags", cpuinfo).split()
     if not flags:
         return None
-    return any(flag in flags for flag in BF16_FLAGS)
+    if AMX_BF16 in flags:
+        return True
+    return AVX512_BF16 in flags and cpu_vendor(cpuinfo) == "AuthenticAMD"

@@ -11,17 +11,19 @@ with respect to the input go through oneDNN on AMD and MKL elsewhere; the weight
 vendor, not a timing, so every run on a machine computes the same floats (resume is
 bit-exact).
 
-bf16 autocast on a CPU without bf16 matrix instructions (no avx512_bf16 or AMX; attnlab/cpu.py)
-gets the same bf16 products from the fp32 kernel: inputs rounded to bf16, products summed in
-fp32, the result rounded to bf16, as a bf16 kernel computes them. PyTorch's bf16 product
-emulates those instructions there: one bert-small feed-forward layer (4,096 x 512 -> 2,048),
-forward and backward, took 440 ms under bf16 autocast against 112 ms this way and 97 ms in
-fp32 (bench/bf16_products.py, 2-core Xeon, 2026-12-01). ``linear`` and ``matmul`` take that
+bf16 autocast on a CPU whose bf16 products are no faster than fp32 (no AMX, nor AMD's
+avx512_bf16; attnlab/cpu.py: fast_bf16_matmul) gets the same bf16 products from the fp32
+kernel: inputs rounded to bf16, products summed in fp32, the result rounded to bf16, as a bf16
+kernel computes them. PyTorch's bf16 product is the slower one there: one bert-small
+feed-forward layer (4,096 x 512 -> 2,048), forward and backward, took 440 ms under bf16
+autocast against 112 ms this way and 97 ms in fp32 on a Xeon without avx512_bf16 (emulated),
+and 183 against 119 ms (fp32 119 ms) on one with it (bench/bf16_products.py, 2-core Xeons,
+2026-12-01 and 12-04). ``linear`` and ``matmul`` take that
 route (``_Bf16Linear``, ``_Bf16MatMul``), in training and inference alike, and keep bf16
 copies for the backward pass, as autocast does.
 
 Anything else runs plain ``F.linear``: fp32 inference (packed_linears serves that), weights or
-inputs that are not CPU fp32, bf16 autocast on CPUs with bf16 instructions, and code traced by
+inputs that are not CPU fp32, bf16 autocast on CPUs with fast bf16 products, and code traced by
 ``torch.compile`` (which brings its own kernels). Results and gradients equal ``F.linear``'s
 (under autocast, autocast's) to float rounding (tests/test_linear.py).
 """
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from attnlab.cpu import cpu_vendor, has_bf16_matmul
+from attnlab.cpu import cpu_vendor, fast_bf16_matmul
 from attnlab.nn.packed import can_pack
 
 
@@ -98,14 +100,14 @@ BF16 = torch.bfloat16
 def bf16_by_fp32(*tensors: Tensor) -> bool:
     """Whether products of these tensors take bf16 autocast's numbers from the fp32 kernel here.
 
-    True under CPU autocast to bf16 on a CPU known to lack bf16 matrix instructions, for CPU
-    fp32 or bf16 tensors, outside ``torch.compile``.
+    True under CPU autocast to bf16 on a CPU known to multiply bf16 no faster than fp32
+    (attnlab/cpu.py), for CPU fp32 or bf16 tensors, outside ``torch.compile``.
     """
     return (
         torch.is_autocast_enabled("cpu")
         and torch.get_autocast_dtype("cpu") == BF16
         and all(t.device.type == "cpu" and t.dtype in (torch.float32, BF16) for t in tensors)
-        and has_bf16_matmul() is False
+        and fast_bf16_matmul() is False
         and not torch.compiler.is_compiling()
     )
 
@@ -176,7 +178,7 @@ class _Bf16MatMul(torch.autograd.Function):
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """torch.matmul(a, b); under bf16 autocast without bf16 instructions, by _Bf16MatMul."""
+    """torch.matmul(a, b); under bf16 autocast where bf16_by_fp32, by _Bf16MatMul."""
     if a.dim() >= 2 and a.shape[:-2] == b.shape[:-2] and bf16_by_fp32(a, b):
         return _Bf16MatMul.apply(a, b)
     return torch.matmul(a, b)

@@ -11,7 +11,8 @@ skips that work: the small, many-call products of a decoding step (a few hundred
 
 Only fp32 weights on a CPU with oneDNN are packed, and only while gradients are off and
 autocast is not on; anything else runs nn/linear.py's ``linear`` (``F.linear``, or under bf16
-autocast on a CPU without bf16 instructions its bf16 products by the fp32 kernel).
+autocast on a CPU that multiplies bf16 no faster than fp32 its bf16 products by the fp32
+kernel).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from attnlab.cpu import has_bf16_matmul
+from attnlab.cpu import fast_bf16_matmul
 from attnlab.errors import AttnlabError
 from attnlab.io import check_out_location, contents, remove_leftovers, remove_trash_of
 from attnlab.train.checkpoint import (
@@ -214,11 +214,11 @@ class Trainer:
         self.is_main = self.rank == 0
         self.device = _resolve_device(config.device, local_rank)
         cpu_bf16 = config.precision == "bf16" and self.device.type == "cpu"
-        if cpu_bf16 and self.is_main and has_bf16_matmul() is False:  # nn/linear.py: bf16_by_fp32
+        if cpu_bf16 and self.is_main and fast_bf16_matmul() is False:  # nn/linear.py: bf16_by_fp32
             print(
-                "note: this CPU has no bf16 matrix instructions (avx512_bf16, amx_bf16): "
-                "--precision bf16 computes its bf16 products with the fp32 kernel here, "
-                "so it is no faster than fp32",
+                "note: this CPU multiplies bf16 no faster than fp32 (it has no AMX, nor AMD's "
+                "avx512_bf16): --precision bf16 computes its bf16 products with the fp32 "
+                "kernel here, so it is no faster than fp32",
                 file=sys.stderr,
             )
         self.model = model.to(self.device)
