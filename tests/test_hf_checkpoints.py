@@ -6,6 +6,8 @@ variant needs it), and the reference is transformers run on the same folder.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from attnlab.errors import AttnlabError
 from attnlab.interop.hf import (
+    bert_state_to_hf,
     checkpoint_task,
     load_bert,
     load_task_model,
@@ -376,3 +379,46 @@ def test_a_trained_pooler_beside_a_masked_lm_head_is_kept(tmp_path):
         max_diff(mlm_logits(model, inputs), hf_mlm_logits(folder, inputs), inputs["attention_mask"])
         < TOL
     )
+
+
+# ---- the pretraining objective --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kept_grads", [False, True])  # plain autograd; the trainer's CPU buffers
+def test_pretraining_loss_and_every_gradient_match_hf(kept_grads, tmp_path):
+    # attnlab's pretraining loss takes shortcuts HF's does not: the vocabulary projection and
+    # the last layer only at the rows a loss reads, a summed cross-entropy of its own, the tied
+    # table's gradient built from the lookups' rows. MLM (mean over masked tokens) + NSP must
+    # still be HF BertForPreTraining's loss, and every gradient HF's (dropout off).
+    from attnlab.train.grads import kept_embedding_grads
+
+    config = hf_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    hf = randomized(transformers.BertForPreTraining(config))
+    folder = saved(hf, tmp_path / "ck")
+    ours = load_bert(folder, heads=True, trained_heads=True).train()
+    hf.train()
+    inputs = batch()
+    g = torch.Generator().manual_seed(2)
+    labels = torch.full_like(inputs["input_ids"], -100)
+    chosen = (torch.rand(labels.shape, generator=g) < 0.3) & inputs["attention_mask"].bool()
+    chosen[0, 0] = True  # a label at [CLS], whose row the sentence head reads too
+    labels[chosen] = torch.randint(0, 99, (int(chosen.sum()),), generator=g)
+    nsp = torch.tensor([0, 1, 1])
+
+    theirs = hf(**inputs, labels=labels, next_sentence_label=nsp)
+    theirs.loss.backward()
+    kept = kept_embedding_grads(ours) if kept_grads else None
+    ids, mask, types = inputs.values()
+    with kept or contextlib.nullcontext():
+        loss = ours(ids, mask, types, mlm_labels=labels, nsp_labels=nsp)["loss"]
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(float(theirs.loss.detach()), rel=1e-6)
+
+    holders = copy.deepcopy(ours)  # the same module tree holding gradients, named as HF names it
+    for holder, param in zip(holders.parameters(), ours.parameters(), strict=True):
+        holder.data = param.grad
+    named = bert_state_to_hf(holders)
+    for name, param in hf.named_parameters():
+        scale = param.grad.abs().max().item()
+        diff = (named[name] - param.grad).abs().max().item()
+        assert diff <= 1e-5 * scale + 1e-6, (name, diff, scale)
