@@ -2,50 +2,28 @@
 
 ATTNLAB_KILL_AT_BATCH=K kills the process as it reads its K-th batch (mid optimiser step);
 ATTNLAB_KILL_IN_SAVE=N kills it once the checkpoint of step N has written trainer.pt into its
-temporary directory, before the rename that publishes it. Other arguments go to the CLI.
+temporary directory, before the rename that publishes it (tests/_kill.py). Other arguments
+go to the CLI.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
-from pathlib import Path
 
 import torch
+from _kill import kill_at_batch, kill_in_save
 
 from attnlab.cli import main
-from attnlab.tasks import pretrain
-
-
-def _kill() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def install_hooks() -> None:
-    """Wrap the batch stream and torch.save as the environment asks."""
-    kill_at = int(os.environ.get("ATTNLAB_KILL_AT_BATCH", "0"))
-    kill_in_save = int(os.environ.get("ATTNLAB_KILL_IN_SAVE", "0"))
-    if kill_at:
-        real_iter = pretrain.PretrainingBatches.__iter__
-
-        def killing_iter(self):
-            for count, batch in enumerate(real_iter(self), start=1):
-                if count == kill_at:
-                    _kill()
-                yield batch
-
-        pretrain.PretrainingBatches.__iter__ = killing_iter
-    if kill_in_save:
-        real_save = torch.save
-
-        def save(obj, f, *args, **kwargs):
-            real_save(obj, f, *args, **kwargs)
-            path = Path(f)
-            if path.name == "trainer.pt" and path.parent.name.startswith(f".step-{kill_in_save}."):
-                _kill()
-
-        torch.save = save
+    """Kill the job where the environment asks."""
+    for variable, hook in (("ATTNLAB_KILL_AT_BATCH", kill_at_batch),
+                           ("ATTNLAB_KILL_IN_SAVE", kill_in_save)):  # fmt: skip
+        at = int(os.environ.get(variable, "0"))
+        if at:
+            hook(at)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,21 @@
 """A tiny training job for the trainer tests, run in-process or as a (torchrun) subprocess.
 
-Subprocess-only options kill the process with SIGKILL at chosen moments, to prove that a
-resumed run loses nothing: ``--kill-at-batch K`` as this process reads its K-th batch (in
-the middle of an optimiser step), ``--kill-in-save N`` once the checkpoint of step N has
-written trainer.pt into its temp directory but before that directory is renamed into place.
+Subprocess-only options kill the process with SIGKILL at chosen moments (tests/_kill.py), to
+prove that a resumed run loses nothing: ``--kill-at-batch K`` as this process reads its K-th
+batch (in the middle of an optimiser step), ``--kill-in-save N`` once the checkpoint of step
+N has written trainer.pt into its temp directory but before that directory is renamed into
+place.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _kill import kill_at_batch, kill_in_save
 from torch import Tensor, nn
 
 from attnlab.train import TensorBatches, TrainConfig, Trainer, seed_everything
@@ -70,47 +69,19 @@ def make_evaluate(data: dict[str, Tensor]):
     return evaluate
 
 
-class KillingBatches(TensorBatches):
-    """TensorBatches that SIGKILLs its process when handing out its kill_at-th batch."""
-
-    def __init__(self, *args, kill_at: int | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.kill_at = kill_at
-
-    def __iter__(self) -> Iterator[dict]:
-        for count, batch in enumerate(super().__iter__(), start=1):
-            if count == self.kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-            yield batch
-
-
-def kill_in_save(step: int) -> None:
-    """SIGKILL right after trainer.pt of step's checkpoint is written to its temp directory."""
-    real_save = torch.save
-
-    def save(obj, f, *args, **kwargs):
-        real_save(obj, f, *args, **kwargs)
-        path = Path(f)
-        if path.name == "trainer.pt" and path.parent.name.startswith(f".step-{step}."):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    torch.save = save
-
-
 def train(
     out: Path,
     steps: int = 12,
     batch_size: int = 8,
     grad_accum: int = 1,
     dropout: float = 0.1,
-    kill_at_batch: int | None = None,
     on_best=None,
     **config: object,
 ) -> tuple[Trainer, dict]:
     """Build the tiny job and fit it; config overrides TrainConfig fields."""
     seed_everything(0)
     model = TinyClassifier(dropout=dropout)
-    batches = KillingBatches(make_data(), batch_size, seed=1, kill_at=kill_at_batch)
+    batches = TensorBatches(make_data(), batch_size, seed=1)
     settings: dict = {
         "lr": 1e-2,
         "warmup": 2,
@@ -146,13 +117,14 @@ def main() -> None:
     torch.set_num_threads(1)  # bit-identical results need the same reduction order
     if args.kill_in_save is not None:
         kill_in_save(args.kill_in_save)
+    if args.kill_at_batch is not None:
+        kill_at_batch(args.kill_at_batch)
     trainer, summary = train(
         args.out,
         steps=args.steps,
         batch_size=args.batch_size,
         grad_accum=args.grad_accum,
         dropout=args.dropout,
-        kill_at_batch=args.kill_at_batch,
         resume=args.resume,
         log_every=args.log_every,
         save_every=args.save_every,

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from _kill import exit_code, forked
 from _trainer_run import TinyClassifier, make_data, make_evaluate, train
-from _trainer_run import kill_in_save as kill_in_save_hook
 from safetensors.torch import load_file
 from torch import nn
 
@@ -59,31 +59,10 @@ def _snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
-def _forked(out: Path, kill_in_save: int | None = None, **options) -> multiprocessing.Process:
-    """Train in a forked child: a real process to SIGKILL, without re-importing torch."""
-
-    def child() -> None:
-        torch.set_num_threads(1)  # the same reduction order in every run; fork-safe OpenMP
-        if kill_in_save is not None:
-            kill_in_save_hook(kill_in_save)
-        train(out, **options)
-
-    # Imported once here, not in every child: torch.optim's first use and the loss plot.
-    import matplotlib.backends.backend_agg  # noqa: F401
-    import torch._dynamo
-
-    process = multiprocessing.get_context("fork").Process(target=child)
-    process.start()
-    return process
-
-
-def _exit_code(process: multiprocessing.Process) -> int | None:
-    process.join(timeout=120)
-    if process.is_alive():  # hung: end it so the test fails instead of hanging
-        process.kill()
-        process.join()
-        return None
-    return process.exitcode
+def _forked(out: Path, **options) -> multiprocessing.Process:
+    """train(out, **options) in a forked child, SIGKILLed as its kill_* options ask (_kill.py)."""
+    kills = {name: options.pop(name) for name in list(options) if name.startswith("kill_")}
+    return forked(lambda: train(out, **options), **kills)
 
 
 # ---- optimiser and schedules ------------------------------------------------------------
@@ -771,7 +750,7 @@ def test_resume_after_two_sigkills_is_bit_identical_to_an_uninterrupted_run(
     job = {"steps": 12, "batch_size": 4, "grad_accum": 2}
     reference = _forked(ref, **job)  # runs alongside the killed chain
 
-    assert _exit_code(_forked(run, kill_in_save=8, **job)) == -signal.SIGKILL
+    assert exit_code(_forked(run, kill_in_save=8, **job)) == -signal.SIGKILL
     checkpoints = run / "checkpoints"
     (partial,) = checkpoints.glob(".step-8.*.tmp")  # the kill came mid-write
     assert (partial / "trainer.pt").is_file() and not (partial / "COMPLETE").exists()
@@ -780,12 +759,12 @@ def test_resume_after_two_sigkills_is_bit_identical_to_an_uninterrupted_run(
     # Resumes from step 4; killed at its 12th micro-batch, the 2nd of step 10, after step 8
     # was saved: a backward pass has run that no checkpoint holds.
     resumed = _forked(run, resume=True, kill_at_batch=12, **job)
-    assert _exit_code(resumed) == -signal.SIGKILL
+    assert exit_code(resumed) == -signal.SIGKILL
     assert not list(checkpoints.glob(".step-*"))
     assert max(r["step"] for r in read_rows(run / "metrics.jsonl")) == 9
 
-    assert _exit_code(_forked(run, resume=True, **job)) == 0
-    assert _exit_code(reference) == 0
+    assert exit_code(_forked(run, resume=True, **job)) == 0
+    assert exit_code(reference) == 0
     final, expected = _weights(run, 12), _weights(ref, 12)
     assert final.keys() == expected.keys()
     assert all(torch.equal(final[name], expected[name]) for name in expected)

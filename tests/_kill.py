@@ -1,0 +1,107 @@
+"""SIGKILL a training job at chosen moments, to prove that a resumed run loses nothing.
+
+Hooks, installed in the process to be killed: ``kill_at_batch(K)`` kills it as the trainer
+reads its K-th batch (in the middle of an optimiser step), whatever the job's batch source;
+``kill_in_save(N)`` once the checkpoint of step N has written trainer.pt into its temp
+directory, before the rename that publishes it. ``forked`` runs a job in a forked
+child with them (a real process to kill, without importing torch again).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnlab.train import trainer
+
+
+def kill() -> None:
+    """SIGKILL this process: no cleanup, no finally blocks."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Killing:
+    """A batch source that SIGKILLs its process as it hands out its kill_at-th batch."""
+
+    def __init__(self, source: Any, kill_at: int) -> None:
+        self.source, self.kill_at = source, kill_at
+
+    def __iter__(self) -> Iterator[Any]:
+        for count, batch in enumerate(self.source, start=1):
+            if count == self.kill_at:
+                kill()
+            yield batch
+
+    def __getattr__(self, name: str) -> Any:  # state_dict, set_rank, tokens_in...
+        return getattr(self.source, name)
+
+
+def kill_at_batch(count: int) -> None:
+    """SIGKILL as the trainer reads its count-th batch (of this process)."""
+    real_init = trainer.Trainer.__init__
+
+    def init(self: trainer.Trainer, model: Any, batches: Any, *args: Any, **kwargs: Any) -> None:
+        real_init(self, model, _Killing(batches, count), *args, **kwargs)
+
+    trainer.Trainer.__init__ = init
+
+
+def kill_in_save(step: int) -> None:
+    """SIGKILL right after trainer.pt of step's checkpoint is written to its temp directory."""
+    real_save = torch.save
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        real_save(obj, f, *args, **kwargs)
+        path = Path(f)
+        if path.name == "trainer.pt" and path.parent.name.startswith(f".step-{step}."):
+            kill()
+
+    torch.save = save
+
+
+HOOKS = {
+    "kill_at_batch": kill_at_batch,
+    "kill_in_save": kill_in_save,
+}
+
+
+def forked(job: Callable[[], Any], **kills: int | None) -> multiprocessing.Process:
+    """Start job() in a forked child with one thread; its exit code is job's (0 if not an int).
+
+    kills: kill_at_batch and kill_in_save, each given a number or None.
+    """
+    unknown = set(kills) - set(HOOKS)
+    if unknown:
+        raise TypeError(f"no hook {', '.join(sorted(unknown))}")
+
+    def child() -> None:
+        torch.set_num_threads(1)  # the same reduction order in every run; fork-safe OpenMP
+        for name, at in kills.items():
+            if at is not None:
+                HOOKS[name](at)
+        result = job()
+        raise SystemExit(result if isinstance(result, int) else 0)
+
+    # Imported once here, not in every child: torch.optim's first use and the loss plot.
+    import matplotlib.backends.backend_agg  # noqa: F401
+    import torch._dynamo
+
+    process = multiprocessing.get_context("fork").Process(target=child)
+    process.start()
+    return process
+
+
+def exit_code(process: multiprocessing.Process) -> int | None:
+    """The child's exit code (-9 for SIGKILL); None, and the child ended, if it hung."""
+    process.join(timeout=120)
+    if process.is_alive():  # hung: end it so the test fails instead of hanging
+        process.kill()
+        process.join()
+        return None
+    return process.exitcode
