@@ -3,8 +3,9 @@
 Hooks, installed in the process to be killed: ``kill_at_batch(K)`` kills it as the trainer
 reads its K-th batch (in the middle of an optimiser step), whatever the job's batch source;
 ``kill_in_save(N)`` once the checkpoint of step N has written trainer.pt into its temp
-directory, before the rename that publishes it. ``forked`` runs a job in a forked
-child with them (a real process to kill, without importing torch again).
+directory, before the rename that publishes it; ``kill_in_prune(N)`` once the checkpoint of
+step N is published, before the older ones beyond --keep-last are deleted. ``forked`` runs a
+job in a forked child with them (a real process to kill, without importing torch again).
 """
 
 from __future__ import annotations
@@ -65,16 +66,29 @@ def kill_in_save(step: int) -> None:
     torch.save = save
 
 
+def kill_in_prune(step: int) -> None:
+    """SIGKILL once the checkpoint of step is in place, before older ones are pruned."""
+    real_prune = trainer.prune_checkpoints
+
+    def prune(root: Path, keep_last: int) -> None:
+        if (root / f"step-{step}").is_dir():
+            kill()
+        real_prune(root, keep_last)
+
+    trainer.prune_checkpoints = prune
+
+
 HOOKS = {
     "kill_at_batch": kill_at_batch,
     "kill_in_save": kill_in_save,
+    "kill_in_prune": kill_in_prune,
 }
 
 
 def forked(job: Callable[[], Any], **kills: int | None) -> multiprocessing.Process:
     """Start job() in a forked child with one thread; its exit code is job's (0 if not an int).
 
-    kills: kill_at_batch and kill_in_save, each given a number or None.
+    kills: kill_at_batch, kill_in_save and kill_in_prune, each given a number or None.
     """
     unknown = set(kills) - set(HOOKS)
     if unknown:

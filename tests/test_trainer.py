@@ -778,6 +778,19 @@ def test_resume_after_two_sigkills_is_bit_identical_to_an_uninterrupted_run(
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-12", "step-8"]
 
 
+def test_a_kill_before_the_last_checkpoint_pruned_the_old_ones_leaves_keep_last(tmp_path):
+    """Killed once the final checkpoint is in place, before the one beyond --keep-last went."""
+    run = tmp_path / "run"
+    job = {"steps": 8, "keep_last": 1, "eval_every": 0}
+    assert exit_code(_forked(run, kill_in_prune=8, **job)) == -signal.SIGKILL
+    checkpoints = run / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-4", "step-8"]
+    # The resumed run has no step left to train, so no save of its own would prune them:
+    # before, step-4 stayed for good (a whole model and optimiser state beyond keep_last 1).
+    assert exit_code(_forked(run, resume=True, **job)) == 0
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-8"]
+
+
 @pytest.mark.parametrize("damaged", ["model.safetensors", "trainer.pt"])
 def test_a_corrupt_checkpoint_is_named_and_nothing_is_overwritten(
     tmp_path: Path, damaged: str

@@ -508,6 +508,9 @@ class Trainer:
                     (out / name).unlink(missing_ok=True)
                 self.log = MetricsLog(out / METRICS_FILE)
             remove_partial(root)
+            # A kill between a checkpoint and the pruning after it left one too many: a run
+            # resumed at its last step saves nothing more that would prune it.
+            prune_checkpoints(root, cfg.keep_last)
             # Temp files and trash of writes a kill interrupted: in out and one level below
             # (the best model's folder, a staged final model), never in the checkpoints.
             remove_trash_of(out)  # an --overwrite killed while clearing the old run
