@@ -13,12 +13,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from attnlab.cli import main
 from attnlab.train import trainer
 
 
@@ -109,6 +110,11 @@ def forked(job: Callable[[], Any], **kills: int | None) -> multiprocessing.Proce
     process = multiprocessing.get_context("fork").Process(target=child)
     process.start()
     return process
+
+
+def forked_cli(args: Sequence[object], **kills: int | None) -> multiprocessing.Process:
+    """`attnlab ARGS` in a forked child (see forked); its exit code is the command's."""
+    return forked(lambda: main([str(a) for a in args]), **kills)
 
 
 def exit_code(process: multiprocessing.Process) -> int | None:

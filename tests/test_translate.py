@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_resume_after_two_sigkills_is_bit_identical
 from safetensors.torch import load_file, save_file
 
 from attnlab.cli import main
@@ -75,11 +76,15 @@ def data(tmp_path_factory) -> Path:
     return root
 
 
-def train_args(data: Path, out: Path, *extra: object) -> list[object]:
+def train_args(
+    data: Path, out: Path, *extra: object, tokenizer: Path | None = None
+) -> list[object]:
+    """A tiny run's arguments: a BPE of 300 learnt on the data, or the given tokenizer's."""
+    vocabulary = ["--tokenizer", tokenizer] if tokenizer else ["--vocab-size", 300]
     return [
         "translate", "train", "--threads", 1, "--config", data / "tiny.toml",
         "--train", data / "train.de", data / "train.en", "--valid", data / "valid.tsv",
-        "--out", out, "--vocab-size", 300, "--max-tokens", 256, "--steps", STEPS,
+        "--out", out, *vocabulary, "--max-tokens", 256, "--steps", STEPS,
         "--save-every", 4, "--eval-every", 6, "--eval-sentences", 4, "--log-every", 2,
         "--no-progress", *extra,
     ]  # fmt: skip
@@ -197,6 +202,18 @@ def test_resume_continues_the_run(run_dir, data, cli, tmp_path):
     assert json.loads(stdout)["step"] == STEPS + 2
     model, tokenizer = load_translation_model(out)
     assert model.config.d_model == 32 and tokenizer.vocab_size <= 300
+
+
+def test_resume_after_two_sigkills_is_bit_identical(run_dir, data, tmp_path):
+    # Two token-count batches a step (they cross epochs), the best-BLEU model in best/ and the
+    # final model the mean of the last 3 checkpoints. One vocabulary for both runs: each would
+    # learn its own, and HF tokenizers may break ties between merges differently.
+    def command(out: Path) -> list[object]:
+        extra = ("--grad-accum", 2, "--average-last", 3)
+        return train_args(data, out, *extra, tokenizer=run_dir[0])
+
+    assert_resume_after_two_sigkills_is_bit_identical(command, tmp_path, 8, 10)  # 2: step 9
+    assert (tmp_path / "killed" / "best" / "model.safetensors").is_file()
 
 
 def test_resume_with_another_model_is_refused(run_dir, data, cli, tmp_path):
