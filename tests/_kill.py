@@ -60,8 +60,9 @@ def kill_in_save(step: int) -> None:
 
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         real_save(obj, f, *args, **kwargs)
-        path = Path(f)
-        if path.name == "trainer.pt" and path.parent.name.startswith(f".step-{step}."):
+        # f is a buffer when torch.distributed pickles a tensor (all_gather_object)
+        path = Path(f) if isinstance(f, (str, os.PathLike)) else None
+        if path and path.name == "trainer.pt" and path.parent.name.startswith(f".step-{step}."):
             kill()
 
     torch.save = save

@@ -537,19 +537,10 @@ class Trainer:
             self.batches.load_state_dict(data[self.rank % len(data)])
             restore_rng(rng[self.rank % len(rng)], self.device)
             window = state["window"]
-            # The window's global sums go to rank 0 only, so the next all-reduce adds them once;
-            # they sum over the saving run's ranks, so another world size rescales them to this
-            # run's (the row divides by steps x this run's ranks).
-            keep = self.is_main
-            saved_ranks = state.get("world_size", self.world_size)
-            sums = window["sums"]
-            if saved_ranks != self.world_size:
-                sums = {k: v * (self.world_size / saved_ranks) for k, v in sums.items()}
-            self._window.sums = {
-                k: (v if keep else torch.zeros_like(v)).to(self.device) for k, v in sums.items()
-            }
+            sums = self._resumed_sums(window["sums"], state.get("world_size", self.world_size))
+            self._window.sums = {k: v.to(self.device) for k, v in sums.items()}
             self._window.steps = window["steps"]
-            self._window.tokens = window["tokens"] if keep else 0
+            self._window.tokens = window["tokens"] if self.is_main else 0  # the ranks' total
             self._window.resumed_s = float(window.get("seconds", 0.0))  # tokens/s of its row
             self.step = state["step"]
             self.tokens_seen = state["tokens_seen"]
@@ -576,6 +567,25 @@ class Trainer:
                 file=sys.stderr,
             )
 
+    def _resumed_sums(
+        self, saved: list[dict[str, Tensor]] | dict[str, Tensor], saved_ranks: int
+    ) -> dict[str, Tensor]:
+        """This rank's part of a checkpoint's logging-window sums (saved: one dict per rank)."""
+        if isinstance(saved, dict):  # a checkpoint of before 2026-12: the ranks' total only
+            zeros = {k: torch.zeros_like(v) for k, v in saved.items()}
+            saved = [saved, *[zeros] * (saved_ranks - 1)]
+        if len(saved) == self.world_size:
+            # Each rank its own sums: the row's all-reduce then adds the numbers an uninterrupted
+            # run adds, in its order, so the row is bit-identical (a total kept on rank 0 was
+            # rounded in another order: the last bits of a 2-process run's loss changed).
+            return saved[self.rank]
+        # Another number of processes: the total on rank 0 only (the all-reduce adds it once),
+        # rescaled to this run's ranks, as the row divides by steps x this run's ranks.
+        if not self.is_main:
+            return {k: torch.zeros_like(v) for k, v in saved[0].items()}
+        scale = self.world_size / len(saved)
+        return {k: sum(part[k] for part in saved) * scale for k in saved[0]}
+
     def _save(self) -> None:
         """Checkpoint the run as out_dir/checkpoints/step-<step> (rank 0 writes; all ranks wait)."""
         rng = gather_objects(capture_rng(self.device))
@@ -583,7 +593,7 @@ class Trainer:
         _check_state(state, "state_dict()")
         data = gather_objects(state)
         window = self._window
-        sums = {k: all_reduce_sum(v.clone()).cpu() for k, v in sorted(window.sums.items())}
+        sums = gather_objects({k: v.cpu() for k, v in sorted(window.sums.items())})  # by rank
         tokens = all_reduce_sum(torch.tensor([window.tokens], device=self.device)).item()
         if self.is_main:
             state = {
