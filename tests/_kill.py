@@ -4,8 +4,10 @@ Hooks, installed in the process to be killed: ``kill_at_batch(K)`` kills it as t
 reads its K-th batch (in the middle of an optimiser step), whatever the job's batch source;
 ``kill_in_save(N)`` once the checkpoint of step N has written trainer.pt into its temp
 directory, before the rename that publishes it; ``kill_in_prune(N)`` once the checkpoint of
-step N is published, before the older ones beyond --keep-last are deleted. ``forked`` runs a
-job in a forked child with them (a real process to kill, without importing torch again).
+step N is published, before the older ones beyond --keep-last are deleted;
+``kill_launcher_at_batch(K)`` SIGKILLs torchrun's launcher instead, and the worker goes
+on. ``forked`` runs a job in a forked child with them (a real process to kill, without importing
+torch again).
 """
 
 from __future__ import annotations
@@ -29,29 +31,46 @@ def kill() -> None:
 
 
 class _Killing:
-    """A batch source that SIGKILLs its process as it hands out its kill_at-th batch."""
+    """A batch source that calls action() (by default: SIGKILL its process) as it hands out
+    its kill_at-th batch."""
 
-    def __init__(self, source: Any, kill_at: int) -> None:
-        self.source, self.kill_at = source, kill_at
+    def __init__(self, source: Any, kill_at: int, action: Callable[[], None] | None) -> None:
+        self.source, self.kill_at, self.action = source, kill_at, action or kill
 
     def __iter__(self) -> Iterator[Any]:
         for count, batch in enumerate(self.source, start=1):
             if count == self.kill_at:
-                kill()
+                self.action()
             yield batch
 
     def __getattr__(self, name: str) -> Any:  # state_dict, set_rank, tokens_in...
         return getattr(self.source, name)
 
 
-def kill_at_batch(count: int) -> None:
-    """SIGKILL as the trainer reads its count-th batch (of this process)."""
+def kill_at_batch(count: int, action: Callable[[], None] | None = None) -> None:
+    """SIGKILL as the trainer reads its count-th batch (of this process), or call action()."""
     real_init = trainer.Trainer.__init__
 
     def init(self: trainer.Trainer, model: Any, batches: Any, *args: Any, **kwargs: Any) -> None:
-        real_init(self, model, _Killing(batches, count), *args, **kwargs)
+        real_init(self, model, _Killing(batches, count, action), *args, **kwargs)
 
     trainer.Trainer.__init__ = init
+
+
+def kill_launcher_at_batch(count: int) -> None:
+    """SIGKILL torchrun's launcher (this worker's parent) as the trainer reads its count-th
+    batch; the worker itself goes on."""
+    launcher = os.getppid()
+    kill_at_batch(count, lambda: os.kill(launcher, signal.SIGKILL))
+
+
+def running(pid: int) -> bool:
+    """Whether process pid runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # the state follows the command's name
 
 
 def kill_in_save(step: int) -> None:

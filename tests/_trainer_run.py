@@ -4,18 +4,20 @@ Subprocess-only options kill the process with SIGKILL at chosen moments (tests/_
 prove that a resumed run loses nothing: ``--kill-at-batch K`` as this process reads its K-th
 batch (in the middle of an optimiser step), ``--kill-in-save N`` once the checkpoint of step
 N has written trainer.pt into its temp directory but before that directory is renamed into
-place.
+place; ``--kill-launcher-at-batch K`` SIGKILLs torchrun's launcher instead (rank 0, at its K-th
+batch), each worker having left its pid in OUT.rank<R>.pid.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _kill import kill_at_batch, kill_in_save
+from _kill import kill_at_batch, kill_in_save, kill_launcher_at_batch
 from torch import Tensor, nn
 
 from attnlab.train import TensorBatches, TrainConfig, Trainer, seed_everything
@@ -112,6 +114,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--kill-at-batch", type=int)
     parser.add_argument("--kill-in-save", type=int)
+    parser.add_argument("--kill-launcher-at-batch", type=int)
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # bit-identical results need the same reduction order
@@ -119,6 +122,11 @@ def main() -> None:
         kill_in_save(args.kill_in_save)
     if args.kill_at_batch is not None:
         kill_at_batch(args.kill_at_batch)
+    if args.kill_launcher_at_batch is not None:  # rank 0 kills it; each worker leaves its pid
+        rank = os.environ["RANK"]
+        args.out.with_name(f"{args.out.name}.rank{rank}.pid").write_text(f"{os.getpid()}\n")
+        if rank == "0":
+            kill_launcher_at_batch(args.kill_launcher_at_batch)
     trainer, summary = train(
         args.out,
         steps=args.steps,

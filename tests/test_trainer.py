@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _kill import exit_code, forked
+from _kill import exit_code, forked, running
 from _trainer_run import TinyClassifier, make_data, make_evaluate, train
 from safetensors.torch import load_file
 from torch import nn
@@ -894,6 +894,30 @@ def test_resuming_with_another_number_of_processes_keeps_the_mean_of_a_logging_w
     for row, want in zip(rows, expected, strict=True):
         assert row["loss"] == pytest.approx(want["loss"], abs=1e-5)
         assert row["accuracy"] == pytest.approx(want["accuracy"], abs=1e-5)
+
+
+def test_workers_end_with_a_sigkilled_launcher(tmp_path: Path) -> None:
+    # torchrun starts each worker in a session of its own: its launcher SIGKILLed (or its
+    # process group), they trained on as orphans, and a job resumed at once had two runs
+    # writing one --out (pretrain, 150 steps: metrics.jsonl ended 146, 150, 148, 150, 150).
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node", "2", str(HELPER), "--out", str(out), "--steps", "100000"]
+    command += ["--kill-launcher-at-batch", "3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # No pipes: an orphan holding one open would keep the test waiting.
+    launcher = subprocess.run(command, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=180)  # fmt: skip
+    assert launcher.returncode == -signal.SIGKILL
+    workers = [int(path.read_text()) for path in tmp_path.glob("run.rank*.pid")]
+    assert len(workers) == 2
+    deadline = time.monotonic() + 10
+    while any(map(running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    orphans = [pid for pid in workers if running(pid)]
+    for pid in orphans:  # a failing test leaves none behind
+        os.kill(pid, signal.SIGKILL)
+    assert not orphans
 
 
 def _job_options(tmp_path: Path) -> list:

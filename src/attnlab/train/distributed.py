@@ -7,7 +7,10 @@ start-up, averaging logged values, gathering per-rank RNG states, barriers.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 from typing import Any
 
 import torch
@@ -32,12 +35,34 @@ def init_distributed() -> tuple[int, int, int]:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return 0, 1, 0
+    end_with_launcher()
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl")
     else:
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), local_rank
+
+
+_PR_SET_PDEATHSIG = 1  # prctl option of <linux/prctl.h>
+
+
+def end_with_launcher() -> None:
+    """Under torchrun on Linux: have the kernel SIGKILL this worker when its launcher dies.
+
+    torchrun starts each worker in a session of its own, so a SIGKILL of the launcher (or of
+    its process group) does not reach them: they would train on, orphaned, beside the run a
+    --resume starts in the same --out. SIGKILL is what the launcher would escalate to; a
+    worker must not outlive it. (The kernel watches the thread that started the worker:
+    torchrun's main thread.) Workers still importing when it dies are missed: they write
+    nothing, and wait at the rendezvous until its timeout.
+    """
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return  # not torchrun's worker: its parent may be a shell that exits on purpose
+    launcher = os.getppid()
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != launcher:  # it died before the kernel was told
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def shutdown_distributed() -> None:
