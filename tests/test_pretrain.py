@@ -193,6 +193,25 @@ def test_two_processes_killed_and_resumed_end_as_an_uninterrupted_run(corpus, vo
     assert_same_run(straight, killed)  # the temp directory gone too
 
 
+def test_a_failed_command_leaves_the_process_group(tmp_path, capsys):
+    # Before: a command that failed under torchrun exited with its process group up, and the
+    # gloo threads then aborted the process as Python shut down ("terminate called without an
+    # active exception", SIGABRT; 4 runs of 4 at one time, 1 of 5 at another, of `torchrun
+    # --nproc_per_node 2 -m attnlab pretrain --batch-size 7`): torchrun blamed that abort.
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        missing = tmp_path / "missing.txt"
+        assert main(["pretrain", "--corpus", str(missing), "--out", str(tmp_path / "o")]) == 2
+        assert "corpus file" in capsys.readouterr().err
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_a_batch_ranks_cannot_split_is_refused_before_overwrite_clears_out(
     corpus, vocab, tmp_path, capsys, monkeypatch
 ):

@@ -901,10 +901,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(argv)
     finally:
+        _leave_process_group()
         if argv is None and threading.current_thread() is threading.main_thread():
             # Run as the program: the command is over, and a Ctrl-C now would only break the
             # interpreter's shutdown (torch's exit handlers) with a traceback.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _leave_process_group() -> None:
+    """Leave torchrun's process group if the command joined one, whether it ended well or not."""
+    # A process that exits with the group still up can abort in C++ as Python shuts down
+    # (gloo's threads: "terminate called without an active exception", SIGABRT), and torchrun
+    # then reports that abort, not the command's error, as the root cause.
+    distributed = sys.modules.get("attnlab.train.distributed")  # not imported: no group
+    if distributed is not None:
+        distributed.shutdown_distributed()
 
 
 def _run(argv: Sequence[str] | None) -> int:
