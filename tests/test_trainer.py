@@ -872,7 +872,7 @@ def test_two_ddp_processes_match_one_process_on_the_same_global_batch(tmp_path: 
 
 
 def test_resuming_with_another_number_of_processes_keeps_the_mean_of_a_logging_window(
-    tmp_path: Path,
+    tmp_path: Path, capsys
 ) -> None:
     # A checkpoint inside a logging window holds its sums over the saving run's ranks. Before,
     # a 2-process run resumed with 1 process divided them by 1 rank: the row after the resume
@@ -888,6 +888,8 @@ def test_resuming_with_another_number_of_processes_keeps_the_mean_of_a_logging_w
     shutil.copytree(tmp_path / "ddp", resumed)
     shutil.rmtree(resumed / "checkpoints" / "step-6")  # resume from step 3, mid-window
     train(resumed, steps=6, batch_size=8, dropout=0.0, log_every=2, save_every=3, resume=True)
+    # Before, the change went unsaid, unlike a changed learning rate or seed.
+    assert "with 1 process(es) (checkpoint: 2): it goes on" in capsys.readouterr().err
     rows = [r for r in _rows(resumed) if not r.get("eval")]
     expected = [r for r in _rows(tmp_path / "ddp") if not r.get("eval")]
     assert [r["step"] for r in rows] == [r["step"] for r in expected] == [2, 4, 6]

@@ -566,6 +566,15 @@ class Trainer:
                 "learning rate rises again here (an uninterrupted run of this length differs)",
                 file=sys.stderr,
             )
+        ranks = len(state["rng"])  # one RNG state per process of the saving run
+        if ranks != self.world_size and self.is_main:
+            print(
+                f"warning: resuming {path} with {self.world_size} process(es) (checkpoint: "
+                f"{ranks}): it goes on from the checkpoint's step, but the processes' random "
+                "states (dropout) are reused round-robin, so it is no longer bit-identical to "
+                "an uninterrupted run",
+                file=sys.stderr,
+            )
 
     def _resumed_sums(
         self, saved: list[dict[str, Tensor]] | dict[str, Tensor], saved_ranks: int
