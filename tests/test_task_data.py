@@ -350,6 +350,9 @@ def _squad_with(
     return f'{{"data": [{{"paragraphs": [{{"context": "ab cd", "qas": [{qa}]}}]}}]}}'
 
 
+UNANSWERED = _squad_with().replace('[{"text": "ab", "answer_start": 0}]', "[]")
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
@@ -367,6 +370,8 @@ def _squad_with(
         (_squad_with(text=["a"]), r"has an answer that is not text: \[.a.\]"),
         (_squad_with(qid=None), r"id None after .\(first question\). is neither text nor a number"),
         (_squad_with(qid=["a"]), "is neither text nor a number"),
+        # was a bare TypeError from the tokenizer
+        (UNANSWERED.replace('"ab cd"', "7"), "the context of question 'q1' is not text"),
     ],
 )
 def test_read_squad_errors(tmp_path, content, message):

@@ -602,6 +602,8 @@ def read_squad(
                     if qid in seen:
                         raise AttnlabError(f"{path}: question id {qid!r} appears twice")
                     seen.add(qid)
+                    if not isinstance(context, str):  # tokenized as is when no answer reads it
+                        raise AttnlabError(f"{path}: the context of question {qid!r} is not text")
                     if require_answers and not isinstance(qa.get("answers"), list):
                         raise AttnlabError(
                             f'{path}: question {qid!r} has no "answers" list: a training file '
