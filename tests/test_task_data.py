@@ -142,6 +142,10 @@ def test_skip_empty_drops_rows_with_a_warning(tmp_path):
         ("t.jsonl", '{"text": "a", "label": 1}\n{"label": 1}\n', "line 2: no 'text' field"),
         ("t.jsonl", '{"sentence": "a"}\n', "no column 'text'; columns present: sentence"),
         ("t.jsonl", "[1, 2]\n", "line 1: expected a JSON object"),
+        # JSON's \\ud800 alone is no character: a bare TypeError from the tokenizer (a text),
+        # or "cannot write" after training, with a half-written --out (a label)
+        ("t.jsonl", '{"text": "a \\ud800 b", "label": 1}\n', "line 1: .* surrogate pair"),
+        ("t.jsonl", '{"text": "a", "label": "\\udc00"}\n', "line 1: .* surrogate pair"),
     ],
 )
 def test_read_table_errors_name_file_and_line(tmp_path, name, content, message):
@@ -370,7 +374,8 @@ UNANSWERED = _squad_with().replace('[{"text": "ab", "answer_start": 0}]', "[]")
         (_squad_with(text=["a"]), r"has an answer that is not text: \[.a.\]"),
         (_squad_with(qid=None), r"id None after .\(first question\). is neither text nor a number"),
         (_squad_with(qid=["a"]), "is neither text nor a number"),
-        # was a bare TypeError from the tokenizer
+        # each was a bare TypeError from the tokenizer
+        (_squad_with(question="Wh\ud800ere?"), r"'Wh\\ud800ere\?' holds the escape \\ud800"),
         (UNANSWERED.replace('"ab cd"', "7"), "the context of question 'q1' is not text"),
     ],
 )
