@@ -419,6 +419,23 @@ def test_from_dir_reads_tokenizer_config(tmp_path):
     assert BertTokenizer.from_dir(tmp_path, max_length=16).max_length == 16
 
 
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        # null was a bare TypeError from tokenizers ('None' is not an instance of 'bool'), as
+        # in transformers: strip_accents alone may be null
+        ({"do_lower_case": None}, "do_lower_case must be true or false, got null"),
+        ({"tokenize_chinese_chars": None}, "tokenize_chinese_chars must be true or false, got"),
+        ({"do_lower_case": "yes"}, 'do_lower_case must be true or false, got "yes"'),
+        ({"strip_accents": 1}, "strip_accents must be true, false or null, got 1"),
+    ],
+)
+def test_from_dir_refuses_a_tokenizer_setting_of_another_type(tmp_path, setting, message):
+    folder = checkpoint_dir(tmp_path / "ck", {"tokenizer_config.json": setting})
+    with pytest.raises(AttnlabError, match=message):
+        BertTokenizer.from_dir(folder)
+
+
 def test_from_dir_without_vocab_raises(tmp_path):
     with pytest.raises(
         AttnlabError, match=r"no vocab\.txt or tokenizer\.json in .*BERT checkpoint"

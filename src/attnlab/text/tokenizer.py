@@ -207,9 +207,11 @@ class BertTokenizer:
 
         # Defaults of transformers' BertTokenizer; tokenizer_config.json overrides them and
         # wins over the normalizer stored in tokenizer.json, exactly as in transformers.
-        lowercase = _config_value(config, "do_lower_case", True, config_path)
+        # null is "as the language says" for strip_accents only; the tokenizers library (and
+        # so transformers) fails on a null do_lower_case or tokenize_chinese_chars.
+        lowercase = _config_value(config, "do_lower_case", True, config_path, nullable=False)
         strip_accents = _config_value(config, "strip_accents", None, config_path)
-        chinese = _config_value(config, "tokenize_chinese_chars", True, config_path)
+        chinese = _config_value(config, "tokenize_chinese_chars", True, config_path, nullable=False)
         if max_length is None:
             # max_len is the key of tokenizers saved before 2020; transformers still reads it.
             stored = config.get("model_max_length", config.get("max_len"))
@@ -580,11 +582,14 @@ def _token_id(value: object, path: Path) -> int:
     return value
 
 
-def _config_value(config: dict, key: str, default: bool | None, path: Path) -> bool | None:
-    """A boolean (or null) setting of tokenizer_config.json, or its default."""
+def _config_value(
+    config: dict, key: str, default: bool | None, path: Path, nullable: bool = True
+) -> bool | None:
+    """A boolean (or, if nullable, null) setting of tokenizer_config.json, or its default."""
     value = config.get(key, default)
-    if value is not None and not isinstance(value, bool):
-        raise AttnlabError(f"{path}: {key} must be true, false or null, got {value!r}")
+    if not isinstance(value, bool) and not (nullable and value is None):
+        allowed = "true, false or null" if nullable else "true or false"
+        raise AttnlabError(f"{path}: {key} must be {allowed}, got {json.dumps(value)}")
     return value
 
 
