@@ -777,6 +777,11 @@ def make_corrupt_weights(tiny_dir: Path, target: Path) -> None:
     (target / "model.safetensors").write_bytes(b"this is not a safetensors file" * 100)
 
 
+def make_empty_bin(tiny_dir: Path, target: Path) -> None:  # an interrupted copy
+    link_files(tiny_dir, target, ("config.json", *TOKENIZER_FILES))
+    (target / "pytorch_model.bin").write_bytes(b"")
+
+
 def make_edited_weights(edit: Callable[[dict], None]) -> Callable[[Path, Path], None]:
     """A maker of a model dir whose model.safetensors has been changed by edit(state)."""
 
@@ -862,6 +867,8 @@ WEIGHT_PROBLEMS = {  # tokenize does not read weights
     "mis-shaped-weights": (make_mis_shaped_weights, ("(30522, 128)", "(30522, 256)")),
     "truncated-weights": (make_truncated_weights, ("cannot read weights",)),
     "corrupt-weights": (make_corrupt_weights, ("cannot read weights",)),
+    # was an IndexError while the error was worded: torch.load says only EOFError()
+    "empty-bin": (make_empty_bin, ("pytorch_model.bin: the file is empty",)),
     # before, these loaded in silence: NaN in every output, integers converted, a layer dropped
     "nan-weights": (make_edited_weights(_nan_query), ("query.weight", "NaN or infinite")),
     "integer-weights": (make_edited_weights(_integer_query), ("torch.int64, not floats",)),

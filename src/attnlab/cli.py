@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
-from attnlab.errors import AttnlabError
+from attnlab.errors import AttnlabError, first_line
 from attnlab.io import json_safe
 
 if TYPE_CHECKING:
@@ -293,7 +293,7 @@ def read_config_file(path: str) -> dict[str, object]:
     except UnicodeDecodeError:
         raise AttnlabError(f"{file} is not valid UTF-8") from None
     except Exception as err:  # the TOML and YAML parsers raise their own error types
-        raise AttnlabError(f"{file}: cannot parse ({str(err).splitlines()[0]})") from None
+        raise AttnlabError(f"{file}: cannot parse ({first_line(err)})") from None
     if not isinstance(data, dict):
         raise AttnlabError(f"{file}: expected a table of options")
     options: dict[str, object] = {}

@@ -9,6 +9,12 @@ class AttnlabError(Exception):
     """A problem the user can fix (bad input, missing file, wrong option), stated in one line."""
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of a library error's message, or its type's name when the message is empty."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
 def check_token_batch(ids: Any, name: str, **same_shape: Any) -> None:
     """Refuse ids that are not a (batch, seq) integer tensor, or companions shaped otherwise.
 

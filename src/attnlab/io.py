@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from attnlab.errors import AttnlabError
+from attnlab.errors import AttnlabError, first_line
 
 
 def json_safe(value: object) -> object:
@@ -153,8 +153,7 @@ def raise_library_write_error(path: Path, err: BaseException) -> None:
     OSError (which the command line already turns into one line).
     """
     if isinstance(err, Exception) and not isinstance(err, (OSError, AttnlabError)):
-        lines = str(err).strip().splitlines() or [type(err).__name__]
-        raise AttnlabError(f"cannot write {path}: {lines[0]}") from err
+        raise AttnlabError(f"cannot write {path}: {first_line(err)}") from err
 
 
 def _check_makeable(path: Path, flag: str) -> None:

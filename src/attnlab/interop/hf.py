@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from attnlab.config import BertConfig
-from attnlab.errors import AttnlabError
+from attnlab.errors import AttnlabError, first_line
 from attnlab.io import staged_dir, write_text_atomic, write_with_atomic
 from attnlab.models.bert import BertForPreTraining, BertModel, BertPooler, count_parameters
 from attnlab.models.heads import PROBLEM_TYPES
@@ -396,6 +396,8 @@ def read_weights(path: Path) -> dict[str, Tensor]:
 
 def _read_weight_file(file: Path) -> dict[str, Tensor]:
     """The tensors of one .safetensors file, or of a .bin file of plain tensors."""
+    if file.stat().st_size == 0:  # torch.load says only EOFError()
+        raise AttnlabError(f"cannot read weights in {file}: the file is empty")
     try:
         if file.suffix == ".safetensors":
             return load_file(str(file))
@@ -416,7 +418,7 @@ def _read_weight_file(file: Path) -> dict[str, Tensor]:
             "code): if it comes from a source you trust, convert it to model.safetensors"
         ) from None
     except Exception as err:  # corrupt or truncated file: the libraries raise many types
-        raise AttnlabError(f"cannot read weights in {file}: {str(err).splitlines()[0]}") from None
+        raise AttnlabError(f"cannot read weights in {file}: {first_line(err)}") from None
 
 
 def weight_names(path: Path) -> set[str]:

@@ -33,7 +33,7 @@ from torch import nn
 
 from attnlab.config import TRANSFORMER_PRESETS, TransformerConfig
 from attnlab.decode import MAX_BEAM, check_search_options, translate_batches
-from attnlab.errors import AttnlabError
+from attnlab.errors import AttnlabError, first_line
 from attnlab.interop.hf import all_finite
 from attnlab.io import clear_dir, write_text_atomic, write_with_atomic
 from attnlab.metrics import corpus_bleu
@@ -158,8 +158,7 @@ def load_translation_model(model_dir: str | Path) -> tuple[Transformer, BpeToken
     except AttnlabError:
         raise
     except Exception as err:  # safetensors raises several types; name the file instead
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise AttnlabError(f"cannot load {weights}: {first}") from None
+        raise AttnlabError(f"cannot load {weights}: {first_line(err)}") from None
     for name, tensor in model.state_dict().items():  # NaN would make every output garbage
         if tensor.is_floating_point() and not all_finite(tensor):
             raise AttnlabError(f"weight {name} in {weights} holds NaN or infinite values")
