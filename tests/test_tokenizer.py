@@ -428,9 +428,15 @@ def test_from_dir_reads_tokenizer_config(tmp_path):
         ({"tokenize_chinese_chars": None}, "tokenize_chinese_chars must be true or false, got"),
         ({"do_lower_case": "yes"}, 'do_lower_case must be true or false, got "yes"'),
         ({"strip_accents": 1}, "strip_accents must be true, false or null, got 1"),
+        # was UnicodeEncodeError from tokenizers ("cannot write '\\ud800' in utf-8" on the
+        # command line): JSON's \\ud800 alone is no character
+        (
+            {"added_tokens_decoder": {str(CHECKPOINT_VOCAB_SIZE): {"content": "\ud800x"}}},
+            r"the text '\\ud800x' holds the escape \\ud800, half of a UTF-16 surrogate pair",
+        ),
     ],
 )
-def test_from_dir_refuses_a_tokenizer_setting_of_another_type(tmp_path, setting, message):
+def test_from_dir_refuses_a_tokenizer_config_it_cannot_use(tmp_path, setting, message):
     folder = checkpoint_dir(tmp_path / "ck", {"tokenizer_config.json": setting})
     with pytest.raises(AttnlabError, match=message):
         BertTokenizer.from_dir(folder)

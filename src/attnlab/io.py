@@ -117,6 +117,32 @@ def decode_line(raw: bytes, source: str | Path, number: int) -> str:
     return line.removeprefix("\ufeff") if number == 1 else line
 
 
+def check_no_lone_surrogates(value: object, where: str) -> None:
+    """Refuse a string (a key too) inside parsed JSON that holds half of a UTF-16 pair.
+
+    JSON's escape \\ud800 without the low half after it decodes to a lone surrogate, which is
+    no character: the tokenizer fails on it with a bare TypeError, a UTF-8 writer cannot write it.
+    """
+    pending = [value]
+    while pending:  # a stack: nesting that json.loads took could overflow a recursion here
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as error:
+                shown = item if len(item) <= 40 else item[:37] + "..."
+                raise AttnlabError(
+                    f"{where}: the text {shown!r} holds the escape "
+                    f"\\u{ord(item[error.start]):04x}, half of a UTF-16 surrogate pair without "
+                    "its other half: not a character"
+                ) from None
+
+
 def _default_mode() -> int:
     """A new file's permissions under this process's umask (0o644 under the usual 022)."""
     umask = os.umask(0o022)  # reading the umask means setting it: put it straight back

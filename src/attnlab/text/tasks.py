@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from attnlab.errors import AttnlabError
-from attnlab.io import check_input_file, text_lines
+from attnlab.io import check_input_file, check_no_lone_surrogates, text_lines
 from attnlab.text.tokenizer import UNK, BertTokenizer
 
 # Label id that PyTorch's cross-entropy ignores: special tokens and non-first sub-tokens.
@@ -59,34 +59,8 @@ def _read_json(path: Path) -> object:
         data = json.loads(text)
     except (ValueError, RecursionError) as error:  # also too deep, or an integer too long
         raise AttnlabError(f"{path}: not valid JSON ({error})") from error
-    _check_no_lone_surrogates(data, str(path))
+    check_no_lone_surrogates(data, str(path))
     return data
-
-
-def _check_no_lone_surrogates(value: object, where: str) -> None:
-    """Refuse a string (a key too) inside parsed JSON that holds half of a UTF-16 pair.
-
-    JSON's escape \\ud800 without the low half after it decodes to a lone surrogate, which is
-    no character: the tokenizer fails on it with a bare TypeError, a UTF-8 writer cannot write it.
-    """
-    pending = [value]
-    while pending:  # a stack: nesting that json.loads took could overflow a recursion here
-        item = pending.pop()
-        if isinstance(item, dict):
-            pending.extend(item.keys())
-            pending.extend(item.values())
-        elif isinstance(item, list):
-            pending.extend(item)
-        elif isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError as error:
-                shown = item if len(item) <= 40 else item[:37] + "..."
-                raise AttnlabError(
-                    f"{where}: the text {shown!r} holds the escape "
-                    f"\\u{ord(item[error.start]):04x}, half of a UTF-16 surrogate pair without "
-                    "its other half: not a character"
-                ) from None
 
 
 # ---- tables: classification and regression ----------------------------------------------
@@ -226,7 +200,7 @@ def _jsonl_rows(path: Path, wanted: list[str]) -> Iterator[tuple[int, dict]]:
             raise AttnlabError(f"{path}, line {number}: not valid JSON ({error})") from error
         if not isinstance(row, dict):
             raise AttnlabError(f"{path}, line {number}: expected a JSON object")
-        _check_no_lone_surrogates(row, f"{path}, line {number}")
+        check_no_lone_surrogates(row, f"{path}, line {number}")
         if first:  # later rows that lack a field fail in _text_field, naming their line
             _check_columns(path, wanted, list(row), named=True)
             first = False

@@ -29,7 +29,7 @@ from tokenizers import (
 )
 
 from attnlab.errors import AttnlabError
-from attnlab.io import check_input_file, text_lines, write_text_atomic
+from attnlab.io import check_input_file, check_no_lone_surrogates, text_lines, write_text_atomic
 
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 # The order also fixes the ids of a newly trained vocabulary: [PAD]=0 ... [MASK]=4.
@@ -493,9 +493,11 @@ def _read_vocab_txt(path: Path) -> dict[str, int]:
 def _read_json(path: Path) -> object:
     """Parse a JSON file, naming it in any error."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as error:  # ValueError: bad text or JSON
         raise AttnlabError(f"cannot read {path}: {error}") from error
+    check_no_lone_surrogates(data, str(path))  # an added token's content is tokenized
+    return data
 
 
 def _check_tokenizer_class(root: Path, config: dict) -> None:
