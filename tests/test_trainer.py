@@ -1135,6 +1135,34 @@ def test_an_out_filled_while_a_staged_write_ran_is_not_replaced(tmp_path):
     assert os.listdir(out) == ["again.txt"] and os.listdir(tmp_path) == ["model"]
 
 
+@pytest.mark.parametrize("writer", ["write_bytes_atomic", "write_with_atomic", "staged_dir"])
+def test_a_read_only_disk_is_named_at_the_users_path(tmp_path, monkeypatch, writer):
+    # A read-only file system refuses even the unlink of a temp file that was never made, and
+    # that error replaced the real one: "Read-only file system: DIR/.notes.txt.<hex>.tmp".
+    import errno
+
+    from attnlab import io
+
+    def read_only(path, *args, **kwargs):
+        if Path(path).exists():  # what Linux says first, as for a folder that is there
+            raise FileExistsError(errno.EEXIST, "File exists", str(path))
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(io, "open", read_only, raising=False)  # before the builtin
+    monkeypatch.setattr(io.os, "mkdir", read_only)
+    monkeypatch.setattr(io.os, "unlink", read_only)
+    target = tmp_path / "notes.txt"
+    with pytest.raises(OSError) as caught:
+        if writer == "staged_dir":
+            with io.staged_dir(target):
+                pass
+        elif writer == "write_with_atomic":
+            io.write_with_atomic(target, read_only)
+        else:
+            io.write_bytes_atomic(target, b"x")
+    assert (caught.value.errno, caught.value.filename) == (errno.EROFS, str(target))
+
+
 def test_write_errors_name_the_users_path_not_the_temp_file(tmp_path, monkeypatch):
     # A full disk surfaces while the temp file (.NAME.<hex>.tmp) or staged directory is
     # written; the error named that path, which the user never gave and which is gone.

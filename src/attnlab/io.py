@@ -13,7 +13,7 @@ import stat
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from attnlab.errors import AttnlabError, first_line
@@ -49,9 +49,17 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
         os.chmod(tmp, _mode_for(path))
         os.replace(tmp, path)
     except BaseException as err:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise_for_target(err, tmp, path)
         raise
+
+
+def _discard(tmp: Path) -> None:
+    """Delete a temp file of a failed write, if it is there."""
+    # A read-only file system refuses even the unlink of a file that was never made: that
+    # error must not replace the one being raised (and name the temp file, not the target).
+    with suppress(OSError):
+        tmp.unlink(missing_ok=True)
 
 
 def raise_for_target(err: BaseException, temp: Path, target: Path) -> None:
@@ -166,7 +174,7 @@ def write_with_atomic(path: Path, writer: Callable[[Path], None]) -> None:
         os.chmod(tmp, _mode_for(path))  # safetensors >= 0.8 creates its files 0600
         os.replace(tmp, path)
     except BaseException as err:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise_for_target(err, tmp, path)
         raise_library_write_error(path, err)
         raise
@@ -334,7 +342,11 @@ def staged_dir(out: Path, overwrite: bool = False, flag: str = "--out") -> Itera
         out = resolved_path(out, flag)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = _temp_name(out)
-    stage.mkdir()
+    try:
+        stage.mkdir()
+    except OSError as err:  # a read-only disk: the user named out, never the stage
+        raise_for_target(err, stage, out)
+        raise
     try:
         yield stage
     except BaseException as err:
