@@ -296,6 +296,29 @@ def test_a_killed_builds_scratch_folder_is_removed_by_the_next_build(
     assert not dead.exists() and live.exists()
 
 
+def test_a_cache_that_cannot_be_written_says_where(
+    tmp_path: Path, minilm_tokenizer: BertTokenizer, monkeypatch
+) -> None:
+    # Were "File exists: FILE" and, from the close of an array file on a full disk, a bare
+    # "No space left on device" naming no path.
+    import errno
+
+    path = _write_blank_separated(tmp_path / "corpus.txt", ENGLISH_DOCS)
+    with pytest.raises(AttnlabError, match=f"cache directory {path} is a file, not a directory"):
+        TokenizedCorpus.build([path], minilm_tokenizer, path)
+
+    def full_disk(*args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pretraining, "_write_corpus", full_disk)
+    cache = tmp_path / "cache"
+    with pytest.raises(OSError) as caught:
+        TokenizedCorpus.build([path], minilm_tokenizer, cache)
+    assert list(cache.iterdir()) == []  # the scratch folder is gone
+    named = Path(caught.value.filename)
+    assert named.parent == cache and not named.name.startswith(".")  # the cache, not scratch
+
+
 def test_empty_corpus_is_an_error(tmp_path: Path, minilm_tokenizer: BertTokenizer) -> None:
     path = tmp_path / "empty.txt"
     path.write_text("\n  \n\n", encoding="utf-8")

@@ -32,7 +32,7 @@ import tokenizers
 from tqdm import tqdm
 
 from attnlab.errors import AttnlabError
-from attnlab.io import text_lines
+from attnlab.io import raise_for_target, text_lines
 from attnlab.text.tokenizer import BertTokenizer
 
 OBJECTIVES = ("mlm", "mlm+nsp", "mlm+sop")
@@ -245,6 +245,8 @@ class TokenizedCorpus:
                 print(f"warning: {err}: tokenizing the corpus again", file=sys.stderr)
         segmenter = _Jieba() if chinese_words else None
 
+        if cache_root.exists() and not cache_root.is_dir():  # mkdir would say "File exists"
+            raise AttnlabError(f"cache directory {cache_root} is a file, not a directory")
         cache_root.mkdir(parents=True, exist_ok=True)
         _remove_dead_builds(cache_root)
         # Built under a temporary name and renamed, so a crash or a concurrent build never
@@ -261,8 +263,9 @@ class TokenizedCorpus:
                 if not (target / "meta.json").is_file():
                     raise
                 shutil.rmtree(scratch)  # another process built the same cache first
-        except BaseException:
+        except BaseException as err:
             shutil.rmtree(scratch, ignore_errors=True)
+            raise_for_target(err, scratch, target)  # a full disk: closing a file names none
             raise
         return cls(target)
 
