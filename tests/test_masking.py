@@ -97,6 +97,11 @@ def test_each_sequence_gets_googles_count() -> None:
     counts = (capped["mlm_labels"] != IGNORE_INDEX).sum(dim=1)
     uncapped = (batch["mlm_labels"] != IGNORE_INDEX).sum(dim=1)
     assert torch.equal(counts, torch.clamp(uncapped, max=5)) and (counts == 5).any()
+    # a cap at or past the length caps nothing; past 2**63 it was torch's OverflowError
+    # (pretrain --max-predictions 99999999999999999999)
+    for cap in (max(e.input_ids.size for e in examples), 10**20):
+        loose = _collator(max_predictions=cap)(examples, torch.Generator().manual_seed(0))
+        assert torch.equal(loose["mlm_labels"], batch["mlm_labels"])
 
 
 def test_chosen_tokens_split_80_10_10(masked_corpus) -> None:

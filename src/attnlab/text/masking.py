@@ -73,8 +73,8 @@ def mask_tokens(
     # tokens only, so [CLS] and [SEP] do not inflate the rate. In double precision, as
     # Python's round: in float32, 190 * 0.15 is 28.5 and rounds to 29, not google's 28.
     n_predict = torch.clamp(torch.round(n_maskable.double() * mask_prob), min=1)
-    if max_predictions is not None:
-        n_predict = torch.clamp(n_predict, max=max_predictions)
+    if max_predictions is not None and max_predictions < seq:  # a cap past seq caps nothing,
+        n_predict = torch.clamp(n_predict, max=max_predictions)  # and past 2**63 overflows
     n_predict = torch.minimum(n_predict, n_maskable).long()
 
     if word_starts is None:
