@@ -174,6 +174,9 @@ def test_soft_target_loss_is_a_temperature_scaled_kl():
     assert float(soft_target_loss(student, teacher, 2.0, torch.tensor(12.0))) == pytest.approx(
         float(mean) / 2, rel=1e-6
     )
+    # a temperature whose square overflows diverges, as one past float32's range does; it was
+    # an OverflowError traceback (distill --temperature 1e308)
+    assert not torch.isfinite(soft_target_loss(student, teacher, 1e308))
 
 
 def test_cosine_loss():

@@ -133,7 +133,9 @@ def soft_target_loss(
     teacher_log = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
     kl = F.kl_div(student_log, teacher_log, reduction="sum", log_target=True)
     divisor = max(student_logits.shape[0], 1) if normalizer is None else normalizer
-    return kl * temperature**2 / divisor
+    # A product, not **2: past T = 1.3e154 Python's ** raises OverflowError, where the product
+    # is inf and the loss diverges (a null loss), as it does once T^2 overflows float32.
+    return kl * (temperature * temperature) / divisor
 
 
 def cosine_loss(student_hidden: Tensor, teacher_hidden: Tensor) -> Tensor:
