@@ -57,8 +57,9 @@ def _expected(value: Any, hint: Any) -> str | None:
         return None if fits else "a finite number"
     if hint is str:
         return None if isinstance(value, str) else "a string"
-    if hint is Path:
-        return None if isinstance(value, (str, os.PathLike)) and str(value) else "a path"
+    if hint is Path:  # no system call takes a path holding NUL (TOML "\u0000", YAML "\0")
+        fits = isinstance(value, (str, os.PathLike)) and str(value) and "\0" not in str(value)
+        return None if fits else "a path"
     if origin is list:
         fits = isinstance(value, list) and all(_expected(v, args[0]) is None for v in value)
         return None if fits else "a list of paths" if args[0] is Path else f"a list of {args[0]}"
