@@ -695,12 +695,14 @@ def test_config_file_nulls_threads_formats_and_its_place(corpus, tmp_path, capsy
         ["pretrain", "--config", str(tmp_path / "bad.toml"), "--out", str(tmp_path / "o")], capsys
     )
     # an option given twice: the last (YAML) or one of two spellings won in silence; a path
-    # holding NUL was a traceback (ValueError: embedded null byte)
+    # holding NUL was a traceback (ValueError: embedded null byte), and YAML's escape of half
+    # a UTF-16 pair "cannot write '\\ud800' in utf-8" (finetune: after training)
     for name, text, fragment in (
         ("twice.yaml", "steps: 2\nsteps: 3\n", "duplicate key 'steps'"),
         ("twice.toml", "batch-size = 3\nbatch_size = 4\n", "'batch-size' and 'batch_size' are"),
         ("nul.toml", 'cache_dir = "a\\u0000b"\n', r"cache_dir must be a path or null"),
         ("nul.yaml", 'corpus: "a\\0b"\n', r"corpus must be a list of paths, got ['a\x00b']"),
+        ("half.yaml", 'cache_dir: "\\ud800"\n', r"the text '\ud800' holds the escape \ud800"),
     ):
         (tmp_path / name).write_text(text)
         argv = ["pretrain", "--config", str(tmp_path / name), "--out", str(tmp_path / "o")]

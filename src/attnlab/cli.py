@@ -276,7 +276,7 @@ def _yaml_load(text: str) -> object:
 
 def read_config_file(path: str) -> dict[str, object]:
     """Options from a TOML or YAML file (keys as the long flags, '-' or '_' alike)."""
-    from attnlab.io import check_input_file
+    from attnlab.io import check_input_file, check_no_lone_surrogates
 
     file = check_input_file(Path(path), "--config file")
     text = file.read_bytes()
@@ -296,6 +296,7 @@ def read_config_file(path: str) -> dict[str, object]:
         raise AttnlabError(f"{file}: cannot parse ({first_line(err)})") from None
     if not isinstance(data, dict):
         raise AttnlabError(f"{file}: expected a table of options")
+    check_no_lone_surrogates(data, str(file))  # YAML's "\ud800", as JSON's: no character
     options: dict[str, object] = {}
     spelled: dict[str, object] = {}
     for key, value in data.items():
