@@ -699,6 +699,18 @@ def write_corpus(tmp_path: Path) -> list[Path]:
     return [plain, packed]
 
 
+def test_train_wordpiece_leaves_out_words_it_would_encode_as_unk(tmp_path):
+    # A word past 100 characters encodes as [UNK] whole, and the trainer's merges cost the
+    # square of a word's length: tokenizer train on one line of 300,000 letters took minutes
+    # (a 3 MB line, hours), and its pieces filled the vocabulary for a word never split.
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(EN_SENTENCES * 3 + ["qj" * 5000, "今天" * 100]) + "\n")
+    tokenizer = train_wordpiece([corpus], vocab_size=300)
+    assert not any("qj" in token for token in tokenizer.vocab)
+    assert tokenizer.tokenize("qj" * 60) == ["[UNK]"]
+    assert "今" in tokenizer.vocab  # a run of ideographs is a run of one-character words
+
+
 def test_train_wordpiece_mixed_corpus(tmp_path):
     files = write_corpus(tmp_path)
     tokenizer = train_wordpiece(files, vocab_size=300)
