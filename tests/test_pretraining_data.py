@@ -114,6 +114,108 @@ def test_read_documents_missing_file(tmp_path: Path) -> None:
         list(read_documents(tmp_path / "absent.txt"))
 
 
+SPLIT_TEXTS = [
+    "今天天气很好。我们去公园吧！你来吗？他说：“好的。”然后走了；嗯……再见",
+    'It costs 3.14 dollars. "Really?" she asked (twice.) Yes! Done',
+    "真的吗?是的. U.S.A. is big... ok?! «yes.» 」end。」。x\n",
+    "",
+    "   ",
+    "。。。",
+    " a. ",
+]
+
+
+def test_a_line_split_in_pieces_gives_the_sentences_of_the_whole_line() -> None:
+    # A line is read in bounded pieces: a sentence end cut by a piece's end (a run of
+    # '…', a closing quote, the character after a '.') must not change the split.
+    for text in SPLIT_TEXTS:
+        for size in range(1, len(text) + 2):
+            pieces = [text[i : i + size] for i in range(0, len(text), size)] or [""]
+            splitter = pretraining._LineSplitter()
+            got = [s for k, p in enumerate(pieces) for s in splitter.feed(p, k == len(pieces) - 1)]
+            assert got == split_sentences(text), (text, size)
+
+
+def test_read_documents_reads_lines_in_pieces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Pieces of 5 bytes cut the 3-byte characters, the byte-order mark and the sentence ends.
+    text = "\ufeff第一句。第二句！ a. b\n\n\u3000\u3000\nline two 中文。」。x\n  \nlast line. no newline"
+    path = tmp_path / "docs.txt.gz"
+    path.write_bytes(gzip.compress(text.encode("utf-8")))
+    whole = list(read_documents(path))
+    assert whole == [["第一句。", "第二句！", "a.", "b"], ["line two 中文。」", "。", "x"],
+                     ["last line.", "no newline"]]  # fmt: skip
+    monkeypatch.setattr(pretraining, "_PIECE_BYTES", 5)
+    assert list(read_documents(path)) == whole
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes("第一行\n".encode() + b"0123456789 \xff byte\n")
+    with pytest.raises(
+        AttnlabError, match=r"bad\.txt, line 2: not valid UTF-8 \(byte 0xff at column 12\)"
+    ):
+        list(read_documents(bad))
+    bad.write_bytes("ends inside a character 中".encode()[:-1])
+    with pytest.raises(AttnlabError, match=r"line 1: not valid UTF-8 \(byte 0xe4 at column 25\)"):
+        list(read_documents(bad))
+
+
+def test_a_one_line_corpus_is_read_and_tokenized_in_bounded_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A 50 MB corpus of one line (one document) took 1.93 GB to tokenize: the line, its
+    # sentences and their encodings were held at once. Read in pieces and tokenized in
+    # chunks, the text held at a time is bounded whatever the size of a line or document.
+    import tracemalloc
+
+    monkeypatch.setattr(pretraining, "_PIECE_BYTES", 4096)
+    monkeypatch.setattr(pretraining, "_CHUNK_SENTENCES", 64)
+    words = ["sentence", "of", "the", "one", "long", "line", ".", *"0123456789"]
+    vocab = [*SPECIAL_TOKENS, *words, *(f"##{digit}" for digit in "0123456789")]
+    tokenizer = BertTokenizer.from_vocab({token: i for i, token in enumerate(vocab)})
+    sentences = [f"Sentence {i} of the one long line." for i in range(40_000)]
+    path = tmp_path / "one-line.txt"
+    path.write_text(" ".join(sentences) + "\n", encoding="utf-8")  # 1.4 MB
+    sizes = []
+    real_encode = pretraining._encode_chunk
+
+    def encode(tokenizer: BertTokenizer, chunk: list[str]) -> list:
+        sizes.append(len(chunk))
+        return real_encode(tokenizer, chunk)
+
+    monkeypatch.setattr(pretraining, "_encode_chunk", encode)
+    tracemalloc.start()
+    try:
+        corpus = TokenizedCorpus.build([path], tokenizer, tmp_path / "cache")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert corpus.n_documents == 1 and corpus.n_sentences == len(sentences)
+    assert max(sizes) == 64 and sum(sizes) == len(sentences)
+    assert peak < 1_000_000, peak  # was 39.8 MB: the line, 40,000 strings, their encodings
+    first = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(sentences[0]))
+    assert corpus.sentence(0).tolist() == first
+    assert int(corpus.document_offsets[-1]) == len(sentences)
+
+
+def test_chunks_are_bounded_in_characters_too(
+    tmp_path: Path, minilm_tokenizer: BertTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pretraining, "_CHUNK_CHARS", 250)
+    sizes = []
+    real_encode = pretraining._encode_chunk
+
+    def encode(tokenizer: BertTokenizer, chunk: list[str]) -> list:
+        sizes.append(sum(map(len, chunk)))
+        return real_encode(tokenizer, chunk)
+
+    monkeypatch.setattr(pretraining, "_encode_chunk", encode)
+    document = [" ".join(["word"] * 20) + "." for _ in range(10)]  # 100 characters each
+    path = _write_blank_separated(tmp_path / "corpus.txt", [document, ["Another."]])
+    corpus = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
+    assert corpus.n_documents == 2 and corpus.n_sentences == 11
+    assert max(sizes) <= 300 and len(sizes) == 4
+
+
 # ---- TokenizedCorpus ------------------------------------------------------------------------
 
 ENGLISH_DOCS = [

@@ -113,16 +113,61 @@ def text_lines(path: Path, what: str = "") -> Iterator[str]:
         raise AttnlabError(f"cannot read {what}{path}: {error}") from error
 
 
-def decode_line(raw: bytes, source: str | Path, number: int) -> str:
-    """Line `number` (from 1) of source as text; not UTF-8 is an error naming the line and byte."""
+def text_pieces(path: Path, what: str = "", size: int = 1 << 20) -> Iterator[tuple[str, bool]]:
+    """Yield a UTF-8 text file's lines (.gz too) in pieces of at most `size` bytes: (text, ends_line).
+
+    As text_lines, but a line of any length costs at most `size` bytes at a time (a corpus
+    that is one 50 MB line): a piece ends at a line's end or before a character cut by the
+    size. The line ending stays on its line's last piece.
+    """
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as stream:
+            number, column, carried = 1, 0, b""
+            while raw := stream.readline(size):
+                ends = raw.endswith(b"\n")
+                if ends and not column and not carried:  # a whole line: no cut to look for
+                    yield decode_line(raw, path, number), True
+                    number += 1
+                    continue
+                data = carried + raw
+                cut = len(data) if ends else len(data) - _cut_character(data)
+                data, carried = data[:cut], data[cut:]
+                yield decode_line(data, path, number, column), ends
+                column += len(data)
+                if ends:
+                    number, column = number + 1, 0
+            if carried:  # the file ends inside a character
+                decode_line(carried, path, number, column)
+            if column:  # a last line without a line ending ends with the file
+                yield "", True
+    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
+        raise AttnlabError(f"cannot read {what}{path}: {error}") from error
+
+
+def _cut_character(data: bytes) -> int:
+    """How many bytes at the end of data begin a UTF-8 character that they do not complete."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte: the character's first
+            length = 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4
+            return back if byte >= 0xC0 and back < length else 0
+    return 0
+
+
+def decode_line(raw: bytes, source: str | Path, number: int, column: int = 0) -> str:
+    """Line `number` (from 1) of source as text; not UTF-8 is an error naming the line and byte.
+
+    ``column``: where raw starts in its line, in bytes, when raw is a piece of a line.
+    """
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise AttnlabError(
             f"{source}, line {number}: not valid UTF-8 "
-            f"(byte {raw[error.start]:#04x} at column {error.start + 1})"
+            f"(byte {raw[error.start]:#04x} at column {column + error.start + 1})"
         ) from error
-    return line.removeprefix("\ufeff") if number == 1 else line
+    return line.removeprefix("\ufeff") if number == 1 and column == 0 else line
 
 
 def check_no_lone_surrogates(value: object, where: str) -> None:

@@ -1,16 +1,17 @@
 """BERT pretraining examples from plain text (Devlin et al. 2019, §3.1 and Appendix A.2).
 
 The pipeline follows google-research/bert's `create_pretraining_data.py`: text is read as
-documents of sentences, tokenized once into memory-mapped arrays (`TokenizedCorpus`, so a
-corpus larger than RAM trains), and `ExampleBuilder` turns each document into
-`[CLS] A [SEP] B [SEP]` pairs with `create_instances_from_document`'s logic: sentences are
-gathered into a chunk until a target length, A is a random prefix of the chunk, and B is
-the rest (IsNext) or, half the time, text from another document (NotNext). Two variants
-the notes name are built from the same corpus: RoBERTa's full sentences without NSP
-(Liu et al. 2019, §4.2 "FULL-SENTENCES": packed across document ends) and ALBERT's
-sentence-order prediction (Lan et al. 2020, §3.1). As google shuffles its instances, an
-epoch's examples are mixed across documents (a shuffle buffer, so memory stays bounded).
-Masking happens later, per batch, in `attnlab.text.masking`.
+documents of sentences, one sentence at a time, and tokenized once, in chunks, into
+memory-mapped arrays (`TokenizedCorpus`, so a corpus larger than RAM trains, and a document
+of any size costs no more memory than a small one), and `ExampleBuilder` turns each
+document into `[CLS] A [SEP] B [SEP]` pairs with `create_instances_from_document`'s logic:
+sentences are gathered into a chunk until a target length, A is a random prefix of the
+chunk, and B is the rest (IsNext) or, half the time, text from another document (NotNext).
+Two variants the notes name are built from the same corpus: RoBERTa's full sentences
+without NSP (Liu et al. 2019, §4.2 "FULL-SENTENCES": packed across document ends) and
+ALBERT's sentence-order prediction (Lan et al. 2020, §3.1). As google shuffles its
+instances, an epoch's examples are mixed across documents (a shuffle buffer, so memory
+stays bounded). Masking happens later, per batch, in `attnlab.text.masking`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import tokenizers
 from tqdm import tqdm
 
 from attnlab.errors import AttnlabError
-from attnlab.io import raise_for_target, text_lines
+from attnlab.io import raise_for_target, text_pieces
 from attnlab.text.tokenizer import BertTokenizer
 
 OBJECTIVES = ("mlm", "mlm+nsp", "mlm+sop")
@@ -41,7 +42,11 @@ NO_LABEL = -1  # the label of an 'mlm' example, which has no sentence-level task
 
 # Bumped whenever the cache layout or the tokenization rules change, so old caches miss.
 _CACHE_FORMAT = 3
+# Sentences tokenized at a time, and most characters: a chunk costs at most this much
+# (tokenizers' encodings take ~100 bytes a token), whatever the size of a document.
 _CHUNK_SENTENCES = 10_000
+_CHUNK_CHARS = 1 << 20
+_PIECE_BYTES = 1 << 20  # a corpus line is read this many bytes at a time at most
 # Examples an epoch mixes at a time: a long document's examples spread over this many
 # (google shuffles all instances of a run in memory; 10,000 of 128 tokens take ~8 MB).
 _SHUFFLE_BUFFER = 10_000
@@ -53,34 +58,89 @@ _VERIFY_CHUNK = 1 << 24  # array elements read at a time when a reused cache is 
 # A run of sentence-final punctuation and the closing quotes or brackets that follow it.
 _SENTENCE_END = re.compile(r"[.!?。！？；…]+[\"'”’»)）\]】」』》〉]*")
 _CJK_FINAL = frozenset("。！？；…")
+_EXCLAIMS = frozenset("!?")
 _CJK_OR_FULL_WIDTH = re.compile(r"[\u3400-\u9fff\uf900-\ufaff\u3000-\u303f\uff00-\uffef]")
 
 
 def split_sentences(text: str) -> list[str]:
     """Split plain Chinese or English text into sentences, never returning empty strings."""
-    sentences, start = [], 0
-    for match in _SENTENCE_END.finditer(text):
-        end = match.end()
-        following = text[end : end + 1]
-        # Chinese full stops end a sentence wherever they stand; an English '.', '!' or '?'
-        # only before a space or the end, so that 3.14 and U.S.A stay whole (and '!' or
-        # '?' before a Chinese character too, as in 真的吗?是的).
-        cjk_final = any(char in _CJK_FINAL for char in match.group())
-        exclaims = any(char in "!?" for char in match.group())
-        if (
-            cjk_final
-            or not following
-            or following.isspace()
-            or (exclaims and _CJK_OR_FULL_WIDTH.match(following))
-        ):
-            sentence = text[start:end].strip()
-            if sentence:
-                sentences.append(sentence)
-            start = end
-    tail = text[start:].strip()
-    if tail:
-        sentences.append(tail)
-    return sentences
+    return _LineSplitter().feed(text, ends_line=True)
+
+
+class _LineSplitter:
+    """split_sentences for a line that arrives in pieces, holding only its unfinished sentence."""
+
+    def __init__(self) -> None:
+        self.text = ""  # the line from the last sentence end on
+        self.scan = 0  # where in text the next sentence-end search starts
+
+    def feed(self, piece: str, ends_line: bool) -> list[str]:
+        """The sentences that piece completes; at the line's end, the rest of the line too."""
+        text = self.text + piece if self.text else piece
+        scan, length = self.scan, len(text)
+        sentences, start = [], 0
+        # A search resumed where the last one stopped finds the same runs as one over the
+        # whole line: the pattern looks at no text before a run.
+        for match in _SENTENCE_END.finditer(text, scan):
+            end = match.end()
+            if end == length and not ends_line:  # the run may go on in the next piece
+                scan = match.start()
+                break
+            scan = end
+            following = text[end : end + 1]
+            # Chinese full stops end a sentence wherever they stand; an English '.', '!' or
+            # '?' only before a space or the end, so that 3.14 and U.S.A stay whole (and '!'
+            # or '?' before a Chinese character too, as in 真的吗?是的).
+            run = match.group()
+            if (
+                not following
+                or following.isspace()
+                or not _CJK_FINAL.isdisjoint(run)
+                or (_CJK_OR_FULL_WIDTH.match(following) and not _EXCLAIMS.isdisjoint(run))
+            ):
+                sentence = text[start:end].strip()
+                if sentence:
+                    sentences.append(sentence)
+                start = end
+        else:
+            scan = length
+        if ends_line:
+            tail = text[start:].strip()
+            if tail:
+                sentences.append(tail)
+            self.text, self.scan = "", 0
+        else:
+            self.text, self.scan = text[start:], scan - start
+        return sentences
+
+
+def read_sentences(path: str | Path) -> Iterator[tuple[str, bool]]:
+    """Yield the sentences of a UTF-8 text file (.gz too), each with whether it ends its document.
+
+    The documents of `read_documents`, one sentence at a time: a document or line of any
+    size costs only its sentence at hand (the file is read in pieces of _PIECE_BYTES).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise AttnlabError(f"corpus file {path} not found")
+    blank_separated = _has_blank_separator(path)
+    splitter = _LineSplitter()
+    pending: str | None = None  # yielded once the next sentence or document end is known
+    blank = True  # the line read so far holds only white space
+    for piece, ends_line in _read_pieces(path):
+        for sentence in splitter.feed(piece, ends_line):
+            if pending is not None:
+                yield pending, False
+            pending = sentence
+        blank = blank and (not piece or piece.isspace())
+        if ends_line:
+            # A blank line ends a document; without blank lines, so does every line.
+            if pending is not None and (blank or not blank_separated):
+                yield pending, True
+                pending = None
+            blank = True
+    if pending is not None:
+        yield pending, True
 
 
 def read_documents(path: str | Path) -> Iterator[list[str]]:
@@ -91,23 +151,12 @@ def read_documents(path: str | Path) -> Iterator[list[str]]:
     Lines pass through `split_sentences` in both layouts, which leaves a line holding one
     sentence as it is and splits paragraph lines (wikitext) into sentences.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise AttnlabError(f"corpus file {path} not found")
-    blank_separated = _has_blank_separator(path)
     document: list[str] = []
-    for line in _read_lines(path):
-        if not line.strip():
-            if document:
-                yield document
-                document = []
-            continue
-        document.extend(split_sentences(line))
-        if not blank_separated and document:
+    for sentence, ends_document in read_sentences(path):
+        document.append(sentence)
+        if ends_document:
             yield document
             document = []
-    if document:
-        yield document
 
 
 def _has_blank_separator(path: Path) -> bool:
@@ -115,19 +164,24 @@ def _has_blank_separator(path: Path) -> bool:
     # Blank as read_documents (and google's line.strip()) sees it: a line of full-width
     # spaces (U+3000) or only a byte-order mark is blank too, which bytes.strip() missed.
     seen_text = seen_blank = False
-    for line in _read_lines(path):
-        if line.strip():
+    blank = True
+    for piece, ends_line in _read_pieces(path):
+        blank = blank and (not piece or piece.isspace())
+        if not ends_line:
+            continue
+        if not blank:
             if seen_blank:
                 return True
             seen_text = True
         elif seen_text:
             seen_blank = True
+        blank = True
     return False
 
 
-def _read_lines(path: Path) -> Iterator[str]:
-    """Yield the lines of a corpus file as text (io.text_lines)."""
-    return text_lines(path, "corpus file ")
+def _read_pieces(path: Path) -> Iterator[tuple[str, bool]]:
+    """Yield the lines of a corpus file as text in bounded pieces (io.text_pieces)."""
+    return text_pieces(path, "corpus file ", _PIECE_BYTES)
 
 
 # ---- tokenized corpus ----------------------------------------------------------------------
@@ -439,7 +493,7 @@ def _write_corpus(
     out: Path,
     progress: bool,
 ) -> None:
-    """Stream documents through the tokenizer in chunks, appending to the array files."""
+    """Stream sentences through the tokenizer in bounded chunks, appending to the array files."""
     writer = _CorpusWriter(out, tokenizer, segmenter)
     # Shown only once tokenizing has taken a second: a small corpus prints no bar (nor one
     # before the error line of a corpus refused right after).
@@ -447,14 +501,16 @@ def _write_corpus(
         try:
             sentences: list[str] = []
             ends_document: list[bool] = []  # True for the last sentence of each document
+            chars = 0
             for path in paths:
-                for document in read_documents(path):
-                    sentences.extend(document)
-                    ends_document.extend([False] * (len(document) - 1) + [True])
-                    if len(sentences) >= _CHUNK_SENTENCES:
+                for sentence, last in read_sentences(path):
+                    sentences.append(sentence)
+                    ends_document.append(last)
+                    chars += len(sentence)
+                    if len(sentences) >= _CHUNK_SENTENCES or chars >= _CHUNK_CHARS:
                         writer.write(sentences, ends_document)
                         bar.update(len(sentences))
-                        sentences, ends_document = [], []
+                        sentences, ends_document, chars = [], [], 0
             if sentences:
                 writer.write(sentences, ends_document)
                 bar.update(len(sentences))
