@@ -302,6 +302,29 @@ def test_corpus_cache_is_reused_and_invalidated(
     assert calls["encode"] == 4 and other.directory != touched.directory
 
 
+def test_an_edit_that_restores_size_and_mtime_is_not_served_from_the_cache(
+    tmp_path: Path, minilm_tokenizer: BertTokenizer
+) -> None:
+    # The fingerprint was path, size and mtime: the same bytes count with the mtime set back
+    # (os.utime, cp -p, rsync -t) gave the old tokens. The inode change time tells.
+    path = _write_blank_separated(tmp_path / "corpus.txt", ENGLISH_DOCS)
+    first = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
+    before = path.stat()
+    path.write_text(path.read_text(encoding="utf-8").replace("fox", "cat"), encoding="utf-8")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    if after.st_ctime_ns == before.st_ctime_ns:  # a clock too coarse to tell: wait and redo
+        import time
+
+        time.sleep(0.05)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    edited = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
+    assert edited.directory != first.directory
+    cat = minilm_tokenizer.convert_tokens_to_ids(["cat"])[0]
+    assert cat in edited.sentence(0).tolist() and cat not in first.sentence(0).tolist()
+
+
 def test_corpus_streams_in_chunks(
     tmp_path: Path, minilm_tokenizer: BertTokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

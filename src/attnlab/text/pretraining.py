@@ -275,10 +275,11 @@ class TokenizedCorpus:
     ) -> TokenizedCorpus:
         """Tokenize text files into cache_dir/<fingerprint>/, or reuse that cache if present.
 
-        The fingerprint covers each file's absolute path, size and modification time, the
-        vocabulary and normalisation of `tokenizer`, and `chinese_words`. With
-        `chinese_words` a Chinese character starts a word only where jieba's segmentation
-        starts one, for whole-word masking of Chinese (Cui et al. 2021, BERT-wwm).
+        The fingerprint covers each file's absolute path, size, modification time and inode
+        change time (which no call sets back), the vocabulary and normalisation of
+        `tokenizer`, and `chinese_words`. With `chinese_words` a Chinese character starts a
+        word only where jieba's segmentation starts one, for whole-word masking of Chinese
+        (Cui et al. 2021, BERT-wwm).
         """
         paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
         if not paths:
@@ -446,7 +447,7 @@ def _fingerprint(paths: list[Path], tokenizer: BertTokenizer, chinese_words: boo
     tokens_in_id_order = "\n".join(sorted(vocab, key=vocab.__getitem__))
     key = {
         "format": _CACHE_FORMAT,
-        "files": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths],
+        "files": [_file_key(path) for path in paths],
         "vocab_sha256": hashlib.sha256(tokens_in_id_order.encode("utf-8")).hexdigest(),
         "lowercase": tokenizer.lowercase,
         "strip_accents": tokenizer.strip_accents,
@@ -454,6 +455,14 @@ def _fingerprint(paths: list[Path], tokenizer: BertTokenizer, chinese_words: boo
         "chinese_words": chinese_words,
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()[:20]
+
+
+def _file_key(path: Path) -> list[str | int]:
+    """What tells a changed corpus file: path, size, modification and inode change times."""
+    # The change time too: an edit that keeps the size and sets the modification time back
+    # (os.utime, cp -p, rsync -t, tar x) served the old tokens; no call sets it back.
+    stat = path.stat()
+    return [str(path), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
 
 
 class _Jieba:
