@@ -696,6 +696,46 @@ def test_truncation_matches_googles_loop() -> None:
         assert np.all(np.diff(new_a[0]) == 1) and np.all(np.diff(new_b[0]) == 1)
 
 
+def _synthetic_corpus(directory: Path, sentences_per_document: list[int]) -> TokenizedCorpus:
+    """A cache written directly: sentence s (of any document) is the one token 5 + s % 100."""
+    n = sum(sentences_per_document)
+    arrays = {
+        "tokens": (5 + np.arange(n) % 100).astype(np.int32),
+        "word_starts": np.ones(n, np.uint8),
+        "sentence_offsets": np.arange(n + 1, dtype=np.int64),
+        "document_offsets": np.concatenate([[0], np.cumsum(sentences_per_document)]),
+    }
+    directory.mkdir()
+    for name, values in arrays.items():
+        values.astype(pretraining._ARRAYS[name]).tofile(directory / f"{name}.bin")
+    lengths = {name: len(values) for name, values in arrays.items()}
+    meta = {"format": pretraining._CACHE_FORMAT, "lengths": lengths}
+    (directory / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    return TokenizedCorpus.open(directory)
+
+
+@pytest.mark.parametrize("objective", ["mlm+nsp", "mlm+sop"])
+def test_pair_examples_of_a_huge_document_hold_one_chunk(tmp_path: Path, objective: str) -> None:
+    # The spans of a whole document were listed before its first example: 129 MB (traced)
+    # for a document of a million sentences, 1.4 s before the first example.
+    import tracemalloc
+
+    corpus = _synthetic_corpus(tmp_path / "cache", [200_000, 3])
+    builder = ExampleBuilder(corpus, CLS, SEP, max_seq_len=16, objective=objective, seed=0)
+    next(builder._pair_examples(1, np.random.default_rng(0)))  # numpy's first-call set-up
+    tracemalloc.start()
+    try:
+        examples = builder._pair_examples(0, np.random.default_rng(0))
+        first = next(examples)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 200_000, peak  # was 26 MB
+    assert len(first.input_ids) <= 16
+    a, b = _segments(first)
+    assert b is not None and len(a) + len(b) <= 13
+
+
 def test_single_document_corpus(tmp_path: Path, minilm_tokenizer: BertTokenizer) -> None:
     # One line without blank lines is one document (whose sentences split_sentences finds).
     path = tmp_path / "one.txt"
