@@ -443,6 +443,22 @@ def test_a_cache_that_cannot_be_written_says_where(
     named = Path(caught.value.filename)
     assert named.parent == cache and not named.name.startswith(".")  # the cache, not scratch
 
+    # A cache directory that refuses new entries (read-only, or /sys as root) named the
+    # scratch folder: 'Operation not permitted: /sys/kernel/.a99ca...4419.1a3d....tmp'.
+    real_mkdir = Path.mkdir
+
+    def refused(self: Path, *args: object, **kwargs: object) -> None:
+        if self.name.endswith(".tmp"):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", refused)
+    with pytest.raises(OSError) as caught:
+        TokenizedCorpus.build([path], minilm_tokenizer, cache)
+    named = Path(caught.value.filename)
+    assert named.parent == cache and not named.name.startswith(".")
+    assert caught.value.errno == errno.EROFS
+
 
 def test_empty_corpus_is_an_error(tmp_path: Path, minilm_tokenizer: BertTokenizer) -> None:
     path = tmp_path / "empty.txt"

@@ -307,8 +307,8 @@ class TokenizedCorpus:
         # Built under a temporary name and renamed, so a crash or a concurrent build never
         # leaves a half-written cache where `open` would find it.
         scratch = cache_root / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-        scratch.mkdir()
         try:
+            scratch.mkdir()  # in the try: a read-only cache refuses it, naming the scratch
             _write_corpus(paths, tokenizer, segmenter, scratch, progress)
             if damaged and target.is_dir():
                 shutil.rmtree(target)
