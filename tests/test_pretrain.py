@@ -98,11 +98,11 @@ def test_pretrain_writes_an_hf_checkpoint_and_learns(corpus, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def vocab(corpus, tmp_path_factory) -> Path:
-    """One WordPiece vocabulary for runs that must match bit for bit.
+    """One WordPiece vocabulary of 400 tokens, trained once, for runs that must match bit for bit.
 
-    HF tokenizers' trainer breaks frequency ties in hash-map order, which changes from process
-    to process, so two runs that each train a vocabulary can differ; a resumed run reuses the
-    vocabulary its first part saved.
+    Two runs that each train their vocabulary get the same one (see
+    test_a_second_run_training_its_vocabulary_reuses_the_corpus_cache); one trained here keeps
+    the runs small and spares each its training.
     """
     out = tmp_path_factory.mktemp("vocab") / "tok"
     assert (
@@ -121,6 +121,31 @@ def vocab(corpus, tmp_path_factory) -> Path:
         == 0
     )
     return out
+
+
+def test_a_second_run_training_its_vocabulary_reuses_the_corpus_cache(
+    corpus, tmp_path, monkeypatch
+):
+    # Each run trained another vocabulary (HF tokenizers broke ties in hash-map order), so
+    # the cache key changed and the corpus was tokenized again: on zh-corpus reviews two
+    # identical runs left two caches and vocabularies of 6,425 and 6,427 tokens.
+    from attnlab.text import pretraining
+
+    args = ["pretrain", "--corpus", str(corpus), *SHAPE, "--steps", "1"]
+    args += ["--cache-dir", str(tmp_path / "cache")]
+    assert main([*args, "--out", str(tmp_path / "first")]) == 0
+
+    def refuse(tokenizer, sentences):
+        raise AssertionError("the second run tokenized the corpus again")
+
+    monkeypatch.setattr(pretraining, "_encode_chunk", refuse)
+    assert main([*args, "--out", str(tmp_path / "second")]) == 0
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    vocab = [(tmp_path / run / "vocab.txt").read_bytes() for run in ("first", "second")]
+    assert vocab[0] == vocab[1]
+    assert _weights(tmp_path / "first").keys() == _weights(tmp_path / "second").keys()
+    for name, value in _weights(tmp_path / "first").items():
+        assert torch.equal(value, _weights(tmp_path / "second")[name]), name
 
 
 def test_resume_after_sigkill_is_bit_identical(corpus, vocab, tmp_path):

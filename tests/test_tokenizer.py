@@ -756,6 +756,17 @@ def test_train_wordpiece_alphabet_is_the_most_frequent_characters_ties_by_code_p
         assert {t for t in vocab if len(t) == 1} == expected
 
 
+def test_train_wordpiece_gives_the_same_vocabulary_every_time():
+    # HF tokenizers numbered its ## pieces in hash-map order and broke ties between merges by
+    # those numbers: six trainings on the bundled corpus in one process gave five
+    # vocabularies (1,678 or 1,679 tokens), and so another corpus cache key in each run.
+    from attnlab.tasks.pretrain import bundled_corpus
+
+    runs = [train_wordpiece([bundled_corpus()], 8000).vocab for _ in range(6)]
+    assert all(vocab == runs[0] for vocab in runs)
+    assert len(runs[0]) <= 8000 and "##s" in runs[0]
+
+
 def test_train_wordpiece_chinese_vocabulary_fills_vocab_size(tmp_path):
     """A Chinese corpus's vocabulary reaches --vocab-size: an ideograph or punctuation mark
     takes one entry (never ##c). Every alphabet character was counted as two, so
