@@ -22,7 +22,12 @@ import transformers
 from transformers import BertTokenizerFast
 
 from attnlab.errors import AttnlabError
-from attnlab.text.tokenizer import BertTokenizer, Encoding, train_wordpiece
+from attnlab.text.tokenizer import (
+    MAX_INPUT_CHARS_PER_WORD,
+    BertTokenizer,
+    Encoding,
+    train_wordpiece,
+)
 
 try:  # transformers >= 5 keeps the pure-Python tokenizer under this name
     from transformers.models.bert.tokenization_bert_legacy import (
@@ -709,6 +714,33 @@ def test_train_wordpiece_leaves_out_words_it_would_encode_as_unk(tmp_path):
     assert not any("qj" in token for token in tokenizer.vocab)
     assert tokenizer.tokenize("qj" * 60) == ["[UNK]"]
     assert "今" in tokenizer.vocab  # a run of ideographs is a run of one-character words
+
+
+def test_train_wordpiece_reads_a_long_line_in_pieces_of_whole_words(tmp_path, monkeypatch):
+    # The trainer got each line whole, and normalises a string with offsets for every byte:
+    # a corpus of one 50 MB line took 3.4 GB to train on. Pieces of 64 bytes here cut words,
+    # ideographs, a control character's place and a 300-letter word (dropped: too long).
+    from attnlab.text import tokenizer as module
+
+    words = [*EN_SENTENCES, *ZH_SENTENCES, "ab\x00cd", "q" * 300, "今天天气", *EN_SENTENCES]
+    one_line, per_line = tmp_path / "one.txt", tmp_path / "many.txt"
+    one_line.write_text(" ".join(words * 20) + "\n", encoding="utf-8")
+    per_line.write_text("\n".join(words * 20) + "\n", encoding="utf-8")
+    expected = train_wordpiece([per_line], vocab_size=300).vocab
+    monkeypatch.setattr(module, "_PIECE_BYTES", 64)
+    monkeypatch.setattr(module, "_BATCH_CHARS", 256)
+    longest = []
+    real_trainable = module._trainable
+
+    def trainable(*args):
+        for batch in real_trainable(*args):
+            longest.append(max(map(len, batch), default=0))
+            yield batch
+
+    monkeypatch.setattr(module, "_trainable", trainable)
+    assert train_wordpiece([one_line], vocab_size=300).vocab == expected
+    assert max(longest) <= 3 * 64 + MAX_INPUT_CHARS_PER_WORD  # an ideograph pads to 3 chars
+    assert one_line.stat().st_size > 30 * 64
 
 
 def test_train_wordpiece_mixed_corpus(tmp_path):

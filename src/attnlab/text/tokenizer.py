@@ -14,7 +14,7 @@ import json
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +30,13 @@ from tokenizers import (
 )
 
 from attnlab.errors import AttnlabError
-from attnlab.io import check_input_file, check_no_lone_surrogates, text_lines, write_text_atomic
+from attnlab.io import (
+    check_input_file,
+    check_no_lone_surrogates,
+    text_lines,
+    text_pieces,
+    write_text_atomic,
+)
 
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 # The order also fixes the ids of a newly trained vocabulary: [PAD]=0 ... [MASK]=4.
@@ -650,7 +656,7 @@ def train_wordpiece(
     )
     # The corpus is read on another thread while the trainer holds backend: the line filter
     # uses the normalizer and pre-tokenizer themselves (backend.normalizer would wait forever).
-    batches = (_trainable(batch, normalizer, pre_tokenizer) for batch in _corpus_batches(paths))
+    batches = _trainable(_corpus_pieces(paths), normalizer, pre_tokenizer)
     backend.train_from_iterator(batches, trainer=trainer)
 
     vocab = backend.get_vocab(with_added_tokens=True)
@@ -664,25 +670,55 @@ def train_wordpiece(
     return BertTokenizer.from_vocab(ordered, lowercase=lowercase, strip_accents=strip_accents)
 
 
+_PIECE_BYTES = 1 << 16  # a corpus line is read this many bytes at a time at most
+_BATCH_CHARS = 1 << 18  # and handed to the trainer in batches of about this many characters
 # A run of non-space characters long enough to hold a word past MAX_INPUT_CHARS_PER_WORD.
 _LONG_RUN = re.compile(rf"\S{{{MAX_INPUT_CHARS_PER_WORD + 1},}}")
 
 
 def _trainable(
-    lines: list[str], normalizer: normalizers.Normalizer, pre_tokenizer: pre_tokenizers.PreTokenizer
-) -> list[str]:
-    """lines without the words WordPiece encodes as [UNK] for their length.
+    batches: Iterable[list[tuple[str, bool]]],
+    normalizer: normalizers.Normalizer,
+    pre_tokenizer: pre_tokenizers.PreTokenizer,
+) -> Iterator[list[str]]:
+    """The corpus as the trainer reads it: without the words WordPiece encodes as [UNK] for
+    their length, and a line read in pieces handed on in pieces, each word whole.
 
     None of such a word's pieces would ever be used for it, and the trainer's merges cost the
-    square of a word's length: one line of 300,000 letters took minutes, of 3 MB hours.
+    square of a word's length: one line of 300,000 letters took minutes, of 3 MB hours. The
+    trainer normalises each string it is given with offsets for every byte: a 50 MB line
+    took 3.4 GB. A word that a piece's end cuts waits, normalised, for the next piece.
     """
-    kept = []
-    for line in lines:
-        if _LONG_RUN.search(line):  # the exact split (Chinese runs are split) only where needed
-            words = pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(line))
-            line = " ".join(word for word, _ in words if len(word) <= MAX_INPUT_CHARS_PER_WORD)
-        kept.append(line)
-    return kept
+    held = ""  # the normalised start of a word cut by a piece's end
+    dropping = False  # that word is already too long to keep: its rest goes too
+    for batch in batches:
+        kept = []
+        for text, ends_line in batch:
+            if ends_line and not held and not dropping:  # a whole line (or the rest of one)
+                if _LONG_RUN.search(text):  # the exact split (Chinese runs are split) only here
+                    words = pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text))
+                    text = " ".join(w for w, _ in words if len(w) <= MAX_INPUT_CHARS_PER_WORD)
+                kept.append(text)
+                continue
+            joined = held + normalizer.normalize_str(text)
+            spans = pre_tokenizer.pre_tokenize_str(joined)
+            # (word, whether it goes on a word already dropped)
+            words = [(word, dropping and start == 0) for word, (start, _) in spans]
+            held, dropping = "", False
+            if not ends_line and spans and spans[-1][1][1] == len(joined):  # it may go on
+                word, dropped = words.pop()
+                if dropped or len(word) > MAX_INPUT_CHARS_PER_WORD:
+                    dropping = True
+                else:
+                    held = word
+            kept.append(
+                " ".join(
+                    word
+                    for word, dropped in words
+                    if not dropped and len(word) <= MAX_INPUT_CHARS_PER_WORD
+                )
+            )
+        yield kept
 
 
 def _alphabet(
@@ -705,8 +741,8 @@ def _alphabet(
     about half of --vocab-size, the other characters of the corpus [UNK].
     """
     raw: Counter[str] = Counter()
-    for batch in _corpus_batches(paths):
-        raw.update("".join(batch))
+    for batch in _corpus_pieces(paths):
+        raw.update("".join(text for text, _ in batch))
     counts: Counter[str] = Counter()
     for char, count in raw.items():
         for piece in normalizer.normalize_str(char):
@@ -746,6 +782,25 @@ def _continuations(
     in the vocabulary, within the two entries `_alphabet` counts for c.
     """
     return [f"##{char}" for char in alphabet if not _stands_alone(char, normalizer, pre_tokenizer)]
+
+
+def _corpus_pieces(paths: list[Path], batch_size: int = 1000) -> Iterator[list[tuple[str, bool]]]:
+    """Yield the corpus text in batches of (piece, ends_line), a piece at most a whole line.
+
+    A batch holds at most batch_size pieces and _BATCH_CHARS characters (the first piece past
+    them aside), a piece at most _PIECE_BYTES bytes (io.text_pieces).
+    """
+    batch: list[tuple[str, bool]] = []
+    size = 0
+    for path in paths:
+        for piece in text_pieces(path, "corpus file ", _PIECE_BYTES):
+            batch.append(piece)
+            size += len(piece[0])
+            if len(batch) == batch_size or size >= _BATCH_CHARS:
+                yield batch
+                batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def _corpus_batches(paths: list[Path], batch_size: int = 1000) -> Iterator[list[str]]:
