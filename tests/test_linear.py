@@ -90,10 +90,17 @@ def test_the_route_decides_which_library_runs(monkeypatch, route):
 
 
 @pytest.mark.parametrize(
-    "vendor, onednn", [("AuthenticAMD", True), ("GenuineIntel", False), ("", False)]
+    "vendor, flags, onednn",
+    [
+        ("AuthenticAMD", "avx2 avx512f avx512_bf16", True),  # Zen 4: oneDNN measured faster
+        ("AuthenticAMD", "avx2 fma", False),  # AVX2-only Zen: MKL measured faster
+        ("GenuineIntel", "avx2 avx512f", False),
+        ("", "", False),
+    ],
 )
-def test_onednn_on_amd_only(monkeypatch, vendor, onednn):
+def test_onednn_on_amd_with_avx512_only(monkeypatch, vendor, flags, onednn):
     monkeypatch.setattr(linear_module, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(linear_module, "cpu_field", lambda name: flags if name == "flags" else "")
     assert linear_module.onednn_trains_faster.__wrapped__() is onednn  # uncached
 
 
