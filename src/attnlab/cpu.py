@@ -1,14 +1,14 @@
 """What this CPU is and can do, read from Linux's /proc/cpuinfo (empty answers elsewhere).
 
-Two choices depend on it: which library computes the training products (nn/linear.py: oneDNN
-on AMD with AVX-512, MKL elsewhere, each the faster one where measured), and whether bf16 autocast can be
-fast. PyTorch's bf16 products beat its fp32 ones only where the CPU multiplies bf16 faster
-than fp32: with AMX, and with AMD's avx512_bf16 (a bert-small step 1.7-2.2x faster than fp32
-on a Zen 4 host). Without the instructions PyTorch emulates them (about 4x slower than fp32),
-and Intel's avx512_bf16 without AMX was slower than fp32 too (bert-small's products forward
-and backward at 0.65-0.68x the fp32 kernel's speed, a 2-core Xeon, bench/RESULTS.md). There attnlab
-computes the bf16 products with the fp32 kernel (nn/linear.py) and the trainer notes that
-bf16 is no faster than fp32.
+Two choices depend on it: which library computes the training products (nn/linear.py:
+oneDNN on AMD with AVX-512, MKL elsewhere, each the faster one where measured), and whether
+bf16 autocast can be fast. PyTorch's bf16 products beat its fp32 ones only where the CPU
+multiplies bf16 faster than fp32: with AMX, and with AMD's avx512_bf16 (a bert-small step
+1.7-2.2x faster than fp32 on a Zen 4 host). Without the instructions PyTorch emulates them
+(about 4x slower than fp32), and Intel's avx512_bf16 without AMX was slower than fp32 too
+(bert-small's products forward and backward at 0.65-0.68x the fp32 kernel's speed, a 2-core
+Xeon, bench/RESULTS.md). There attnlab computes the bf16 products with the fp32 kernel
+(nn/linear.py) and the trainer notes that bf16 is no faster than fp32.
 """
 
 from __future__ import annotations

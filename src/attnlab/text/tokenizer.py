@@ -11,12 +11,14 @@ token for token, truncation included (its `longest_first` strategy), which the t
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import tokenizers
 from tokenizers import (
@@ -784,33 +786,38 @@ def _continuations(
     return [f"##{char}" for char in alphabet if not _stands_alone(char, normalizer, pre_tokenizer)]
 
 
-def _corpus_pieces(paths: list[Path], batch_size: int = 1000) -> Iterator[list[tuple[str, bool]]]:
+def _corpus_pieces(paths: list[Path]) -> Iterator[list[tuple[str, bool]]]:
     """Yield the corpus text in batches of (piece, ends_line), a piece at most a whole line.
 
-    A batch holds at most batch_size pieces and _BATCH_CHARS characters (the first piece past
+    A batch holds at most 1,000 pieces and _BATCH_CHARS characters (the first piece past
     them aside), a piece at most _PIECE_BYTES bytes (io.text_pieces).
     """
-    batch: list[tuple[str, bool]] = []
-    size = 0
-    for path in paths:
-        for piece in text_pieces(path, "corpus file ", _PIECE_BYTES):
-            batch.append(piece)
-            size += len(piece[0])
-            if len(batch) == batch_size or size >= _BATCH_CHARS:
-                yield batch
-                batch, size = [], 0
-    if batch:
-        yield batch
+    pieces = (p for path in paths for p in text_pieces(path, "corpus file ", _PIECE_BYTES))
+    return _in_batches(pieces, most_chars=_BATCH_CHARS, chars=lambda piece: len(piece[0]))
 
 
-def _corpus_batches(paths: list[Path], batch_size: int = 1000) -> Iterator[list[str]]:
+def _corpus_batches(paths: list[Path]) -> Iterator[list[str]]:
     """Yield the corpus lines in batches, raising AttnlabError at the first non-UTF-8 line."""
-    batch: list[str] = []
-    for path in paths:
-        for line in text_lines(path, "corpus file "):
-            batch.append(line)
-            if len(batch) == batch_size:
-                yield batch
-                batch = []
+    return _in_batches(line for path in paths for line in text_lines(path, "corpus file "))
+
+
+T = TypeVar("T")
+
+
+def _in_batches(
+    items: Iterable[T],
+    most: int = 1000,
+    most_chars: float = math.inf,
+    chars: Callable[[T], int] = len,
+) -> Iterator[list[T]]:
+    """items in lists of at most `most`, each ended too once its items' chars reach most_chars."""
+    batch: list[T] = []
+    size = 0
+    for item in items:
+        batch.append(item)
+        size += chars(item)
+        if len(batch) == most or size >= most_chars:
+            yield batch
+            batch, size = [], 0
     if batch:
         yield batch
