@@ -5,12 +5,12 @@ with AVX-512 (a Zen 4 host) oneDNN's product (the library PyTorch ships for its 
 convolutions, reached through the same ``torch.ops.mkldnn._linear_pointwise`` op that packed
 inference uses, nn/packed.py) was 1.1-1.2x faster for the shapes of a BERT training step, and
 a whole bert-small step 5-8% faster; on an Intel Xeon MKL was the faster one, by 1-4%
-(bert-small) and 8-11% (bert-base) a step, and on an AMD EPYC with AVX2 only MKL was too, by
-10-11% a bert-base step (bench/RESULTS.md). So while gradients are on, the forward product
-and the gradient with respect to the input go through oneDNN on AMD with AVX-512 and MKL
-elsewhere; the weight's gradient (dy^T x) is ``torch.mm`` everywhere, which oneDNN did not
-beat. The choice follows the CPU's vendor and flags, not a timing, so every run on a machine
-computes the same floats (resume is bit-exact).
+(bert-small) and 8-11% (bert-base) a step, and on an AMD EPYC with AVX2 only MKL was too,
+by 9% (bert-small) and 20% (bert-base) a step (bench/product_library.py, bench/RESULTS.md).
+So while gradients are on, the forward product and the gradient with respect to the input go
+through oneDNN on AMD with AVX-512 and MKL elsewhere; the weight's gradient (dy^T x) is
+``torch.mm`` everywhere, which oneDNN did not beat. The choice follows the CPU's vendor and
+flags, not a timing, so every run on a machine computes the same floats (resume is bit-exact).
 
 bf16 autocast on a CPU whose bf16 products are no faster than fp32 (no AMX, nor AMD's
 avx512_bf16; attnlab/cpu.py: fast_bf16_matmul) gets the same bf16 products from the fp32
@@ -45,7 +45,7 @@ from attnlab.nn.packed import can_pack
 @functools.cache
 def onednn_trains_faster() -> bool:
     """Whether training products take oneDNN here: on AMD CPUs with AVX-512, where it beat MKL."""
-    # On an AVX2-only Zen (2026-12-04) MKL was the faster one: a bert-base step 10-11% faster.
+    # On an AVX2-only Zen MKL was the faster one (bench/product_library.py: 1.09-1.20x a step).
     return cpu_vendor() == "AuthenticAMD" and "avx512f" in cpu_field("flags").split()
 
 
