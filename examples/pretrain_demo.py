@@ -46,7 +46,10 @@ def main() -> None:
         corpus=[bundled_corpus()],
         preset="bert-tiny",
         objective="mlm+nsp",
-        steps=int(sys.argv[1]) if len(sys.argv) > 1 else 1100,
+        # After 1,100 steps the model still filled every blank with frequent characters
+        # (今天天气很[MASK] -> 气 0.12, 天 0.11); after 4,000 it fills them from context
+        # (冷 0.38, 热 0.36, 好 0.21; 我们去[MASK]园 -> 公 0.93): 90 s on a 2-core Xeon.
+        steps=int(sys.argv[1]) if len(sys.argv) > 1 else 4000,
         batch_size=32,
         seq_len=48,
         lr=2e-3,
