@@ -47,6 +47,11 @@ _CACHE_FORMAT = 3
 _CHUNK_SENTENCES = 10_000
 _CHUNK_CHARS = 1 << 20
 _PIECE_BYTES = 1 << 20  # a corpus line is read this many bytes at a time at most
+# A "sentence" longer than this (text with no sentence end: a line of unpunctuated Chinese,
+# a dump) is cut into pieces, at a space where there is one: held whole, a 32 MB line took
+# 5 GB and 33 s to tokenize. A real sentence is far shorter, and an NSP/SOP segment keeps
+# at most max_seq_len tokens of it anyway, so each piece serves as a sentence of its own.
+_MAX_SENTENCE_CHARS = 4096
 # Examples an epoch mixes at a time: a long document's examples spread over this many
 # (google shuffles all instances of a run in memory; 10,000 of 128 tokens take ~8 MB).
 _SHUFFLE_BUFFER = 10_000
@@ -75,10 +80,15 @@ class _LineSplitter:
         self.scan = 0  # where in text the next sentence-end search starts
 
     def feed(self, piece: str, ends_line: bool) -> list[str]:
-        """The sentences that piece completes; at the line's end, the rest of the line too."""
+        """The sentences that piece completes; at the line's end, the rest of the line too.
+
+        A sentence longer than _MAX_SENTENCE_CHARS comes out in pieces no longer than that,
+        so the text held between calls stays bounded too.
+        """
         text = self.text + piece if self.text else piece
         scan, length = self.scan, len(text)
-        sentences, start = [], 0
+        sentences: list[str] = []
+        start = 0
         # A search resumed where the last one stopped finds the same runs as one over the
         # whole line: the pattern looks at no text before a run.
         for match in _SENTENCE_END.finditer(text, scan):
@@ -98,20 +108,43 @@ class _LineSplitter:
                 or not _CJK_FINAL.isdisjoint(run)
                 or (_CJK_OR_FULL_WIDTH.match(following) and not _EXCLAIMS.isdisjoint(run))
             ):
-                sentence = text[start:end].strip()
-                if sentence:
-                    sentences.append(sentence)
+                _add_sentence(sentences, text, start, end)
                 start = end
         else:
             scan = length
         if ends_line:
-            tail = text[start:].strip()
-            if tail:
-                sentences.append(tail)
+            _add_sentence(sentences, text, start, length)
             self.text, self.scan = "", 0
         else:
-            self.text, self.scan = text[start:], scan - start
+            # Up to scan no sentence ends: what exceeds the bound there can go now.
+            cuts = _cuts(text, start, scan)
+            held = cuts[-1] if cuts else start
+            _add_sentence(sentences, text, start, held)
+            self.text, self.scan = text[held:], scan - held
         return sentences
+
+
+def _cuts(text: str, start: int, end: int) -> list[int]:
+    """Where to cut text[start:end] into pieces of at most _MAX_SENTENCE_CHARS (none if shorter).
+
+    Each cut follows the last white space within the bound, so that words stay whole; text
+    with no space there (Chinese) is cut at the bound. The last piece ends at ``end``.
+    """
+    ends = []
+    while end - start > _MAX_SENTENCE_CHARS:
+        space = max(text.rfind(c, start + 1, start + _MAX_SENTENCE_CHARS) for c in " \t\u3000")
+        start = space + 1 if space > start else start + _MAX_SENTENCE_CHARS
+        ends.append(start)
+    return ends
+
+
+def _add_sentence(sentences: list[str], text: str, start: int, end: int) -> None:
+    """Append text[start:end], stripped, in pieces of at most _MAX_SENTENCE_CHARS (none if blank)."""
+    for cut in [*_cuts(text, start, end), end]:
+        sentence = text[start:cut].strip()
+        if sentence:
+            sentences.append(sentence)
+        start = cut
 
 
 def read_sentences(path: str | Path) -> Iterator[tuple[str, bool]]:
