@@ -41,7 +41,7 @@ IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, HF's convention (SOP: 0 = in order, 1 = 
 NO_LABEL = -1  # the label of an 'mlm' example, which has no sentence-level task
 
 # Bumped whenever the cache layout or the tokenization rules change, so old caches miss.
-_CACHE_FORMAT = 3
+_CACHE_FORMAT = 4  # 4: sentences cut at _MAX_SENTENCE_CHARS
 # Sentences tokenized at a time, and most characters: a chunk costs at most this much
 # (tokenizers' encodings take ~100 bytes a token), whatever the size of a document.
 _CHUNK_SENTENCES = 10_000
