@@ -60,6 +60,19 @@ def matmul_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 1.0) 
     return best
 
 
+def peak_dtype(precision: str) -> torch.dtype:
+    """The dtype whose matmul peak is the yardstick for a run in ``precision`` ("fp32"/"bf16").
+
+    bf16 runs are measured against the bf16 peak where the CPU multiplies bf16 faster than
+    fp32 (AMX; AMD's avx512_bf16: attnlab/cpu.py), which is what both systems' products then
+    run on (2,957 against 442 GFLOP/s on a 2-core Xeon with AMX); elsewhere attnlab computes
+    bf16 products with the fp32 kernel (attnlab/nn/linear.py), so the fp32 peak stays.
+    """
+    from attnlab.cpu import fast_bf16_matmul
+
+    return torch.bfloat16 if precision == "bf16" and fast_bf16_matmul() else torch.float32
+
+
 def best_time(fn: Callable[[], T], repeats: int) -> tuple[float, T]:
     """Fastest wall time of fn over repeats, after one untimed warm-up call, and its result."""
     result = fn()

@@ -4,7 +4,8 @@ Same config (a preset), batch, sequence length, masking rate (15%), optimizer (A
 weight decay 0.01, the fused kernel as HF's Trainer and attnlab use), threads and precision
 (fp32 against fp32, bf16 autocast against bf16 autocast), synthetic token ids. HF runs a second
 time with torch's default (foreach) AdamW kernel, as a hand-written loop gets. Prints tokens/s,
-the ratios, and each one's model FLOPs utilisation against the measured fp32 matmul peak,
+the ratios, and each one's model FLOPs utilisation against the measured matmul peak (fp32;
+for bf16 runs the bf16 one where the CPU multiplies bf16 faster, bench/common.py: peak_dtype),
 counting only the FLOPs the model must do (forward + backward = 3x forward, with the MLM
 vocabulary projection on masked positions only, and the last layer's queries, output
 projection and feed-forward at the masked positions and [CLS] only: no loss reads the others).
@@ -47,7 +48,7 @@ from contextlib import nullcontext
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import MALLOC_HELP, layer_flops, machine, matmul_peak_flops, set_malloc
+from common import MALLOC_HELP, layer_flops, machine, matmul_peak_flops, peak_dtype, set_malloc
 
 MASK_RATE = 0.15
 
@@ -166,9 +167,11 @@ def main() -> None:
     # dense_flops counts that layer at every position, as the FLOPs of both before 2026-11-30.
     flops = step_flops(config, args.batch_size, args.seq_len, masked, kept)
     dense_flops = step_flops(config, args.batch_size, args.seq_len, masked)
-    peak = matmul_peak_flops()
+    yardstick = peak_dtype(args.precision)
+    kind = "bf16" if yardstick == torch.bfloat16 else "fp32"
+    peak = matmul_peak_flops(yardstick)
     tokens = args.batch_size * args.seq_len
-    print(f"machine: {machine()}; fp32 matmul peak {peak / 1e9:.1f} GFLOP/s", file=sys.stderr)
+    print(f"machine: {machine()}; {kind} matmul peak {peak / 1e9:.1f} GFLOP/s", file=sys.stderr)
     if args.precision == "bf16" and fast_bf16_matmul() is False:
         print(
             "note: bf16 products are no faster than fp32 here: attnlab's run on the fp32 "
@@ -182,8 +185,8 @@ def main() -> None:
             rounds[name].append(time_in_child(name))
     timed = {name: min(seconds) for name, seconds in rounds.items()}
     # The peak again after the runs: the higher of the two is the yardstick.
-    after = matmul_peak_flops()
-    print(f"fp32 matmul peak after the runs {after / 1e9:.1f} GFLOP/s", file=sys.stderr)
+    after = matmul_peak_flops(yardstick)
+    print(f"{kind} matmul peak after the runs {after / 1e9:.1f} GFLOP/s", file=sys.stderr)
     peak = max(peak, after)
     for name, seconds in timed.items():
         mfu, dense_mfu = flops / seconds / peak, dense_flops / seconds / peak
@@ -215,6 +218,7 @@ def main() -> None:
                 "threads": args.threads,
                 "malloc": args.malloc,
                 "peak_gflops": peak / 1e9,
+                "peak_dtype": kind,
                 "ratio": ratio,
                 "ratio_vs_foreach": ratio_foreach,
                 **result,
