@@ -3,6 +3,7 @@ token-count BatchSource: budget kept, every pair once per epoch, seeded, resumab
 
 from __future__ import annotations
 
+import collections
 import gzip
 import itertools
 import random
@@ -149,7 +150,7 @@ def test_iteration_crosses_epochs_and_resumes_mid_epoch():
     stream = iter(source)
     first = [next(stream) for _ in range(per_epoch + 5)]
     state = source.state_dict()
-    assert state == {"epoch": 1, "batch_index": 5}
+    assert state == {"epoch": 1, "next_batch": 5}
     rest = [next(stream) for _ in range(4)]
 
     resumed = make(pairs)
@@ -176,6 +177,91 @@ def test_ranks_split_each_global_step():
             got = next(streams[r])
             expected = single.collate(global_batches[step * 2 + r])
             assert torch.equal(got["src_ids"], expected["src_ids"])
+
+
+def _ranks(pairs: EncodedPairs, world_size: int, saved: list[dict] | None = None, **kw) -> list:
+    """One TokenBatches per rank, each given a saved state as Trainer._restore gives them."""
+    # Round-robin (rank % saving ranks): how a run with another number of processes reads them.
+    sources = [make(pairs, **kw) for _ in range(world_size)]
+    for rank, source in enumerate(sources):
+        source.set_rank(rank, world_size)
+        if saved is not None:
+            source.load_state_dict(saved[rank % len(saved)])
+    return sources
+
+
+def _identity(batch: dict) -> tuple:
+    return tuple(batch["src_ids"].shape), batch["src_ids"].numpy().tobytes()
+
+
+def _read_steps(sources: list, steps: int) -> list[list[tuple[int, int]]]:
+    """(epoch, index in epoch_batches) of each batch every rank reads in `steps` steps."""
+    names = {}  # a batch's tensors -> where it stands in its epoch
+    for epoch in range(3):
+        for index, batch in enumerate(sources[0].epoch_batches(epoch)):
+            names[_identity(sources[0].collate(batch)), epoch] = index
+    assert len(names) == sum(len(sources[0].epoch_batches(e)) for e in range(3))
+    reads: list[list[tuple[int, int]]] = []
+    for source in sources:
+        stream, reads_of_rank = iter(source), []
+        for _ in range(steps * source.grad_accum):
+            batch = next(stream)  # source.epoch is now this batch's epoch
+            reads_of_rank.append((source.epoch, names[_identity(batch), source.epoch]))
+        reads.append(reads_of_rank)
+    return reads
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2), (3, 2), (2, 3), (2, 2)])
+def test_resuming_with_another_number_of_processes_reads_each_batch_of_the_epoch_once(
+    before, after
+):
+    # Each rank reads batches of its own, so an epoch's position is a count of batches, not of
+    # steps. Before, it was kept in steps: 2 processes had read 12 batches in 6 reads each, and
+    # 1 process resumed from batch 6, reading 6 of them twice; 2 after 1 skipped 6.
+    pairs = random_pairs(305)
+    saving = _ranks(pairs, before, max_tokens=190, grad_accum=2)
+    n_batches = len(saving[0].epoch_batches(0))  # 37: some resumes leave one batch over
+    steps = 3  # the checkpoint's step: 3 x 2 batches read by each of the `before` ranks
+    first = _read_steps(saving, steps)
+    saved = [source.state_dict() for source in saving]
+    resumed = _ranks(pairs, after, saved, max_tokens=190, grad_accum=2)
+    rest = _read_steps(resumed, n_batches // (2 * after) + 2)  # into epoch 1
+    counts = collections.Counter(
+        index for rank in first + rest for epoch, index in rank if epoch == 0
+    )
+    twice = sorted(i for i, n in counts.items() if n > 1)
+    never = sorted(set(range(n_batches)) - set(counts))
+    # As in a run on `after` processes from the start, the epoch's last batches, too few to
+    # give every rank one, are left out.
+    left_over = list(range(n_batches - (n_batches - steps * 2 * before) % after, n_batches))
+    skipped = sorted(set(never) - set(left_over))
+    assert (twice, never) == ([], left_over), (
+        f"resumed on {after} after {before}: of {n_batches} batches of epoch 0, {len(twice)} "
+        f"read twice {twice}, {len(skipped)} skipped {skipped}"
+    )
+    # The next epoch is read as a run on `after` processes from the start reads it; with as
+    # many processes as before, the whole run is.
+    fresh = _ranks(pairs, after, max_tokens=190, grad_accum=2)
+    fresh = _read_steps(fresh, 3 * n_batches // (2 * after))
+    if before == after:
+        for rank_first, rank_rest, rank_fresh in zip(first, rest, fresh, strict=True):
+            assert rank_first + rank_rest == rank_fresh[: len(rank_first + rank_rest)]
+    for rank_rest, rank_fresh in zip(rest, fresh, strict=True):
+        epoch_1 = [read for read in rank_rest if read[0] == 1]
+        assert epoch_1 and epoch_1 == [read for read in rank_fresh if read[0] == 1][: len(epoch_1)]
+
+
+def test_a_checkpoint_that_counted_steps_resumes_where_it_stood():
+    # Checkpoints of before 2026-12-05 kept the steps read of the epoch (one batch per rank
+    # each), taken to be of as many processes as the resumed run has.
+    pairs = random_pairs()
+    old, new = _ranks(pairs, 2), _ranks(pairs, 2)
+    for source in old:
+        source.load_state_dict({"epoch": 0, "batch_index": 3})
+    for source in new:
+        source.load_state_dict({"epoch": 0, "next_batch": 6})
+    assert _read_steps(old, 2) == _read_steps(new, 2)
+    assert old[1].state_dict() == {"epoch": 0, "next_batch": 10}
 
 
 def test_tokens_in_counts_target_tokens():
@@ -211,10 +297,10 @@ def test_a_steps_loss_is_the_mean_over_every_target_token_of_the_step(start):
     for r, source in enumerate(ranks):
         source.set_rank(r, 2)
         if start == "last":  # two reads left in epoch 0: the step ends in epoch 1
-            source.load_state_dict({"epoch": 0, "batch_index": source.batches_per_epoch(0) - 2})
+            source.load_state_dict({"epoch": 0, "next_batch": 2 * source.batches_per_epoch(0) - 4})
     step = [batch for source in ranks for batch in itertools.islice(iter(source), 3)]
-    assert ranks[0].state_dict() == ({"epoch": 0, "batch_index": 3} if start == 0 else
-                                     {"epoch": 1, "batch_index": 1})  # fmt: skip
+    assert ranks[0].state_dict() == ({"epoch": 0, "next_batch": 6} if start == 0 else
+                                     {"epoch": 1, "next_batch": 2})  # fmt: skip
     tokens = sum(int((batch["tgt_out"] != PAD).sum()) for batch in step)
     assert all(float(batch["tgt_normalizer"]) == pytest.approx(tokens / 6) for batch in step)
     with torch.no_grad():

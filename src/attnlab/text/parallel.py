@@ -151,7 +151,10 @@ class TokenBatches:
     The order depends on (seed, epoch) alone, so a resumed run rebuilds the same epoch and
     skips the batches already read. Under torch.distributed, global step s hands batch
     ``s * W + r`` to rank r (the epoch's last ``< W`` batches are left out, so every rank
-    takes the same number of steps). ``shuffle=False`` keeps the sorted order (evaluation).
+    takes the same number of steps). The position is the count of the epoch's batches read,
+    every rank's together, not of steps: a run resumed with another number of processes goes
+    on from the first batch no process has read. ``shuffle=False`` keeps the sorted order
+    (evaluation).
 
     An optimiser step reads ``grad_accum`` batches on each rank (they may cross into the next
     epoch); each carries ``tgt_normalizer`` = (target tokens of all the step's batches, every
@@ -186,7 +189,9 @@ class TokenBatches:
         self.seed, self.shuffle, self.grad_accum = seed, shuffle, grad_accum
         self.targets = [len(t) + 1 for t in pairs.tgt]  # tgt_out's tokens: y <eos>
         self.rank, self.world_size = 0, 1
-        self.epoch, self.batch_index = 0, 0  # the next global batch to hand out
+        # The next batch of the epoch to hand out (to rank 0): batches, not steps, since a step
+        # is W batches and a resumed run may have another W.
+        self.epoch, self.next_batch = 0, 0
         self._cached: dict[int, list[list[int]]] = {}  # two epochs: a step may cross the end
 
     # ---- the batches of an epoch ---------------------------------------------------------
@@ -244,34 +249,38 @@ class TokenBatches:
 
     def __iter__(self) -> Iterator[Batch]:
         """This rank's batches from the current position (a step's start), forever."""
+        width = self.world_size
         while True:
             reads = self._next_reads(self.grad_accum)
-            step = [self.epoch_batches(e)[i * self.world_size : (i + 1) * self.world_size]
-                    for e, i in reads]  # fmt: skip
+            step = [self.epoch_batches(e)[first : first + width] for e, first in reads]
             tokens = sum(self.targets[p] for batches in step for batch in batches for p in batch)
-            normalizer = torch.tensor(tokens / (self.grad_accum * self.world_size))
-            for (epoch, index), batches in zip(reads, step, strict=True):
-                self.epoch, self.batch_index = epoch, index + 1  # state_dict(): the next one
+            normalizer = torch.tensor(tokens / (self.grad_accum * width))
+            for (epoch, first), batches in zip(reads, step, strict=True):
+                self.epoch, self.next_batch = epoch, first + width  # state_dict(): the next one
                 yield {**self.collate(batches[self.rank]), "tgt_normalizer": normalizer}
 
     def _next_reads(self, count: int) -> list[tuple[int, int]]:
-        """(epoch, global step) of the next `count` reads from the current position."""
-        epoch, index, reads = self.epoch, self.batch_index, []
+        """(epoch, first batch) of the next `count` reads (one batch per rank each) from here."""
+        epoch, first, reads = self.epoch, self.next_batch, []
         while len(reads) < count:
-            if index < len(self.epoch_batches(epoch)) // self.world_size:
-                reads.append((epoch, index))
-                index += 1
-            else:
-                epoch, index = epoch + 1, 0
+            if first + self.world_size <= len(self.epoch_batches(epoch)):
+                reads.append((epoch, first))
+                first += self.world_size
+            else:  # fewer batches left than ranks: the epoch ends for all of them
+                epoch, first = epoch + 1, 0
         return reads
 
     def state_dict(self) -> dict[str, Any]:
-        """The position: epoch and index of the next global batch."""
-        return {"epoch": self.epoch, "batch_index": self.batch_index}
+        """The position: the epoch, and how many of its batches all ranks have read."""
+        return {"epoch": self.epoch, "next_batch": self.next_batch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a position given by state_dict()."""
-        self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
+        self.epoch = int(state["epoch"])
+        if "next_batch" in state:
+            self.next_batch = int(state["next_batch"])
+        else:  # a checkpoint of before 2026-12-05 counted steps (of as many processes as now)
+            self.next_batch = int(state["batch_index"]) * self.world_size
 
     def tokens_in(self, batch: Batch) -> int:
         """Target tokens of a batch (<eos> included, padding not): what tokens/s counts."""
