@@ -314,9 +314,9 @@ class BertForPreTraining(nn.Module):
         logits = self.mlm(hidden[masked if keep is None else masked[keep]], tied)  # (masked, V)
         result["mlm_logits"] = logits
         if mlm_normalizer is not None:
-            loss = summed_cross_entropy(logits.float(), mlm_labels[masked]) / mlm_normalizer
+            loss = summed_cross_entropy(logits, mlm_labels[masked]) / mlm_normalizer
         elif logits.numel():
-            loss = summed_cross_entropy(logits.float(), mlm_labels[masked]) / len(logits)
+            loss = summed_cross_entropy(logits, mlm_labels[masked]) / len(logits)
         else:  # nothing masked: a zero loss still connected to the graph, so backward() works
             loss = hidden.sum() * 0.0
         result["mlm_loss"] = loss

@@ -218,7 +218,7 @@ class DistillationModel(nn.Module):
         hidden = self.student.bert(input_ids, attention_mask, token_type_ids).last_hidden_state
         logits = self.student.mlm(hidden[masked])  # (n_masked, vocab): the sparse MLM head
         soft = soft_target_loss(logits, teacher_logits, self.temperature, divisor)
-        mlm = summed_cross_entropy(logits.float(), mlm_labels[masked]) / divisor
+        mlm = summed_cross_entropy(logits, mlm_labels[masked]) / divisor
         loss = self.alpha_ce * soft + self.alpha_mlm * mlm
         out = {"distill_loss": soft, "mlm_loss": mlm}
         if self.same_width:
