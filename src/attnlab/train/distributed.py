@@ -95,7 +95,10 @@ def gather_objects(obj: Any) -> list[Any]:
 
 def raise_together(failure: Exception | None) -> None:
     """Re-raise a failure of one rank on every rank, so no rank waits at a barrier forever."""
-    if int(all_reduce_sum(torch.tensor([0 if failure is None else 1]))):
+    flag = torch.tensor([0 if failure is None else 1])
+    if is_distributed() and dist.get_backend() == "nccl":
+        flag = flag.cuda()  # NCCL reduces CUDA tensors only (init_distributed set the device)
+    if int(all_reduce_sum(flag)):
         if failure is not None:
             raise failure
         from attnlab.errors import AttnlabError
