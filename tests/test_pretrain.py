@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import itertools
 import json
@@ -10,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -186,6 +188,7 @@ def test_two_processes_equal_one(corpus, vocab, tmp_path):
     two = _run(["pretrain", *base, "--out", str(tmp_path / "two")], processes=2)
     assert two.returncode == 0, two.stderr[-3000:]
     assert len(two.stdout.splitlines()) == 1  # the result once, from rank 0
+    assert not list(tmp_path.glob(".*.lock"))  # rank 0's lock, gone with the run
     a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
     for name in a:
         assert torch.allclose(a[name], b[name], atol=1e-5), name
@@ -216,6 +219,84 @@ def test_two_processes_killed_and_resumed_end_as_an_uninterrupted_run(corpus, vo
     _, errors = reference.communicate(timeout=300)
     assert reference.returncode == 0, errors.decode()[-3000:]
     assert_same_run(straight, killed)  # the temp directory gone too
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_second_run_into_the_out_of_a_training_run_is_refused(corpus, vocab, tmp_path, capsys):
+    # Before: `pretrain --resume` (two terminals, a scheduler's retry) or `--overwrite`
+    # started while another run trained in --out trained beside it: two processes wrote
+    # checkpoints, metrics.jsonl and the final model into one folder.
+    out, paused = tmp_path / "run", tmp_path / "paused"
+    out.mkdir()  # an old run, which the first run's --overwrite replaces by a rename
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    base = [*SHAPE, "--corpus", str(corpus), "--tokenizer", str(vocab), "--steps", "6"]
+    base += ["--save-every", "2", "--eval-every", "0", "--cache-dir", str(tmp_path / "cache")]
+    base += ["--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ATTNLAB_PAUSE_FILE": str(paused)}
+    first = subprocess.Popen(  # paused as it reads its 4th batch: steps 1-3 done, step 2 saved
+        _command(["pretrain", *base, "--overwrite", "--log-every", "1"]),
+        env={**env, "ATTNLAB_PAUSE_AT_BATCH": "4"}, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not paused.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert paused.exists(), "the first run did not reach its 4th batch"
+        before = _snapshot(out)
+        assert "checkpoints/step-2/COMPLETE" in before
+        refusal = (
+            f"attnlab: error: another run (pid {first.pid}) is training in {out}: wait for it "
+            "to end or choose another --out"
+        )
+        second = _run(["pretrain", *base, "--resume"])  # a second process, as from a terminal
+        assert second.returncode == 2 and second.stderr.splitlines() == [refusal], second.stderr
+        for extra in (["--overwrite"], [], ["--resume", "--steps", "8"]):
+            assert _error(["pretrain", *base, *extra], capsys) == refusal
+        assert _snapshot(out) == before
+    finally:
+        paused.unlink(missing_ok=True)  # the first run trains on
+        _, errors = first.communicate(timeout=120)
+    assert first.returncode == 0, errors[-2000:]
+    steps = [r["step"] for r in _rows(out) if not r.get("eval")]
+    assert steps == [1, 2, 3, 4, 5, 6]  # one run's rows, each once
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4", "step-6"]
+    assert not (tmp_path / ".run.lock").exists()  # released and removed at the end
+
+
+def test_a_sigkilled_run_leaves_no_lock_that_blocks_its_resume(corpus, vocab, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["pretrain", *SHAPE, "--corpus", str(corpus), "--tokenizer", str(vocab)]
+    args += ["--steps", "4", "--save-every", "2", "--eval-every", "0", "--out", str(out)]
+    args += ["--cache-dir", str(tmp_path / "cache")]
+    killed = _run(args, {"ATTNLAB_KILL_AT_BATCH": "3"})
+    assert killed.returncode == -9
+    lock = tmp_path / ".run.lock"
+    assert lock.is_file()  # the file stays; the kernel let go of its lock with the process
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 0
+    assert "step-4" in {p.name for p in (out / "checkpoints").iterdir()}
+    assert not lock.exists()
+
+
+def test_a_refused_lock_stops_every_torchrun_process(corpus, vocab, tmp_path):
+    # Only rank 0 locks (the ranks of one run must not shut each other out); the others learn
+    # of its refusal at once, rather than wait for it at a barrier.
+    out = tmp_path / "run"
+    args = ["pretrain", *SHAPE, "--corpus", str(corpus), "--tokenizer", str(vocab)]
+    args += ["--steps", "2", "--out", str(out), "--cache-dir", str(tmp_path / "cache")]
+    with open(tmp_path / ".run.lock", "w") as held:  # as another run holds it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        ddp = _run(args, processes=2)
+    assert ddp.returncode == 1, ddp.stderr[-3000:]  # torchrun's, after its workers' 2
+    # each once (the two processes' lines may interleave on the one stderr)
+    refusal = f"attnlab: error: another run is training in {out}: wait for it to end or choose"
+    assert ddp.stderr.count(refusal) == 1, ddp.stderr[-3000:]  # rank 0's
+    other = "attnlab: error: another rank could not prepare the run (see its message)"
+    assert ddp.stderr.count(other) == 1, ddp.stderr[-3000:]  # rank 1 did not wait on
+    assert not out.exists()
 
 
 def test_a_failed_command_leaves_the_process_group(tmp_path, capsys):

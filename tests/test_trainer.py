@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import itertools
 import json
 import math
@@ -10,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -965,6 +968,90 @@ def test_jobs_keep_their_own_run_defaults(tmp_path: Path) -> None:
     assert (finetune.save_every, finetune.keep_last, finetune.eval_every) == (1000, 1, None)
     assert (translate.keep_last, translate.log_every) == (5, 50)
     assert translate.save_every == translate.eval_every == 100  # the bundled sample's
+
+
+# ---- one run per output directory ---------------------------------------------------------
+
+
+def _held_lock(out: Path, holder: str) -> int:
+    """Lock out as a run in another process would (.NAME.lock beside it, holding 'PID HOST')."""
+    fd = os.open(out.with_name(f".{out.name}.lock"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, holder.encode())
+    return fd
+
+
+def test_every_training_job_is_refused_while_another_run_holds_its_out(tmp_path: Path) -> None:
+    # Before: a second job into the --out of a running one trained beside it (pretrain,
+    # distill, finetune and translate train alike).
+    from attnlab.tasks.distill import distill
+    from attnlab.tasks.finetune import finetune
+    from attnlab.tasks.pretrain import pretrain
+    from attnlab.tasks.translate import train_translation
+
+    jobs = [pretrain, distill, finetune, train_translation]
+    for job, opts in zip(jobs, _job_options(tmp_path), strict=True):
+        opts.steps = 1  # on a failure, a short run
+        held = _held_lock(opts.out, "4242 elsewhere\n")  # a run on another machine
+        try:
+            with pytest.raises(AttnlabError) as error:
+                job(opts)
+        finally:
+            os.close(held)
+        assert str(error.value) == (
+            f"another run (pid 4242 on elsewhere) is training in {opts.out}: wait for it to "
+            "end or choose another --out"
+        )
+        assert not opts.out.exists()
+
+
+def test_fit_is_refused_while_another_run_holds_out_however_it_is_spelled(
+    tmp_path: Path,
+) -> None:
+    out, link = tmp_path / "run", tmp_path / "link"
+    out.mkdir()
+    link.symlink_to(out)
+    held = _held_lock(out, f"{os.getpid()} {socket.gethostname()}\n")
+    try:
+        for spelled in (out, link, tmp_path / "sub" / ".." / "run"):
+            with pytest.raises(AttnlabError, match=rf"^another run \(pid {os.getpid()}\) is "):
+                train(spelled, steps=2, eval_every=0)
+        assert not any(out.iterdir())
+        train(tmp_path / "runs", steps=2, eval_every=0)  # a neighbour of another name trains
+    finally:
+        os.close(held)
+    train(out, steps=2, eval_every=0)
+    assert (out / "checkpoints" / "step-2").is_dir()
+    assert not (tmp_path / ".run.lock").exists()  # the lock file goes with the run
+
+
+def test_a_file_system_without_locks_trains_unlocked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    def unsupported(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", unsupported)
+    out = tmp_path / "run"
+    train(out, steps=2, eval_every=0)
+    assert (out / "checkpoints" / "step-2").is_dir()
+    assert f"note: --out {out} cannot be locked (No locks available)" in capsys.readouterr().err
+
+
+def test_a_lock_file_is_neither_content_nor_leftover(tmp_path: Path) -> None:
+    from attnlab.io import check_out_dir, contents, remove_leftovers
+
+    (tmp_path / ".run.lock").write_text("4242 host\n")  # a SIGKILLed run's
+    assert contents(tmp_path) == []
+    check_out_dir(tmp_path)  # an export or tokenizer into the folder: not refused
+    remove_leftovers(tmp_path)  # a run's clean-up of its --out leaves it: it may be held
+    assert (tmp_path / ".run.lock").is_file()
+
+    from attnlab.io import lock_out_dir
+
+    with lock_out_dir(tmp_path / "new" / "deeper" / "run") as locked:
+        assert locked and (tmp_path / "new" / "deeper" / ".run.lock").is_file()
+    assert not (tmp_path / "new").exists()  # the folders made for the lock went with it
 
 
 # ---- the allocator --------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Safe file input and output: text read line by line with errors that name the line, atomic
-writes, and output directories that are never silently overwritten."""
+writes, and output directories never silently overwritten, nor written by two runs at once."""
 
 from __future__ import annotations
 
@@ -9,14 +9,22 @@ import math
 import os
 import re
 import shutil
+import socket
 import stat
+import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from attnlab.errors import AttnlabError, first_line
+
+try:
+    import fcntl
+except ImportError:  # Windows: training runs go unlocked (lock_out_dir)
+    fcntl = None
 
 
 def json_safe(value: object) -> object:
@@ -341,6 +349,9 @@ def clear_dir(out: Path) -> None:
 # What _temp_name and the trash of clear_dir / staged_dir are called: .NAME.<32 hex>.tmp and
 # .NAME.<8 characters of mkdtemp>.old
 _LEFTOVER = re.compile(r"^\..+\.(?:[0-9a-f]{32}\.tmp|[a-z0-9_]{8}\.old)$")
+# The lock of an output directory NAME (lock_out_dir): .NAME.lock beside it, where the renames
+# of --overwrite (clear_dir), which put a new folder in NAME's place, leave it be.
+_LOCK = re.compile(r"^\..+\.lock$")
 
 
 def remove_trash_of(out: Path) -> None:
@@ -354,14 +365,23 @@ def remove_trash_of(out: Path) -> None:
 
 
 def contents(folder: Path) -> list[Path]:
-    """What folder holds, leaving out the temp files and trash of interrupted writes."""
+    """What folder holds, leaving out the temp files and trash of interrupted writes (and the
+    lock files of runs into its subfolders)."""
     folder = Path(folder)
-    return [p for p in folder.iterdir() if not is_leftover(p)] if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    return [p for p in folder.iterdir() if not (is_leftover(p) or _is_lock_file(p))]
 
 
 def is_leftover(path: Path) -> bool:
     """Whether path is named as a temp file or trash directory of attnlab's writes."""
     return _LEFTOVER.fullmatch(Path(path).name) is not None
+
+
+def _is_lock_file(path: Path) -> bool:
+    """Whether path is named and made as the lock file of an output directory (lock_out_dir)."""
+    path = Path(path)
+    return _LOCK.fullmatch(path.name) is not None and path.is_file() and not path.is_symlink()
 
 
 def remove_leftovers(folder: Path) -> None:
@@ -417,3 +437,112 @@ def staged_dir(out: Path, overwrite: bool = False, flag: str = "--out") -> Itera
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(stage, out)
+
+
+_held = threading.local()  # the lock files this thread holds (or tried), for nested calls
+
+
+@contextmanager
+def lock_out_dir(out: Path, flag: str = "--out") -> Iterator[bool]:
+    """Keep out to this process while the block runs: an AttnlabError if another process has it.
+
+    Yields whether out is locked: where no lock can be had (a file system without locks, a
+    folder without write access) it goes on unlocked, saying so on stderr. The kernel drops
+    the lock of a process that dies, even by SIGKILL: a killed run never blocks the next one.
+    Nested in one thread, for the same out, the inner block only joins the outer one.
+    """
+    out = Path(out)
+    # No flock (Windows), or no folder of its own (check_out_location refuses it): no lock
+    if fcntl is None or out.name in ("", ".", ".."):
+        yield False
+        return
+    where = resolved_path(out, flag)  # one lock however out is spelled (a link, ../)
+    lock = where.with_name(f".{where.name}.lock")
+    held: dict[Path, bool] = getattr(_held, "locks", {})
+    if lock in held:
+        yield held[lock]
+        return
+    made = [p for p in (where.parent, *where.parent.parents) if not p.exists()][::-1]
+    fd = _acquire_lock(lock, out, flag)
+    _held.locks = {**held, lock: fd is not None}
+    try:
+        yield fd is not None
+    finally:
+        _held.locks = held
+        if fd is not None:
+            with suppress(OSError):  # while still held: a waiting process retries (_acquire_lock)
+                if _names_file(lock, fd):
+                    lock.unlink()
+            os.close(fd)
+        for folder in reversed(made):  # the folders made for the lock file, if left empty
+            with suppress(OSError):
+                folder.rmdir()
+
+
+def _acquire_lock(lock: Path, out: Path, flag: str) -> int | None:
+    """A descriptor of lock, locked by this process; None where it cannot be locked at all."""
+    for _ in range(100):  # a retry each time the lock file goes as it is opened: a few at most
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+        except OSError:  # out cannot be made (a path through a file): the out checks say so
+            return None
+        try:
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+            except PermissionError:  # another user's lock file: read access is enough to lock
+                fd = os.open(lock, os.O_RDONLY)
+        except FileNotFoundError:  # its folder was removed meanwhile (its maker's run ended)
+            continue
+        except OSError as err:
+            _say_unlocked(out, flag, err.strerror or str(err))
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise AttnlabError(
+                f"another run{holder} is training in {out}: wait for it to end or choose "
+                f"another {flag}"
+            ) from None
+        except OSError as err:  # ENOLCK, EOPNOTSUPP: a file system without locks
+            os.close(fd)
+            _say_unlocked(out, flag, err.strerror or str(err))
+            return None
+        if _names_file(lock, fd):
+            with suppress(OSError):  # read-only (another user's file): no pid to show
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+            return fd
+        os.close(fd)  # its holder ended and unlinked it after we opened it: open the new one
+    _say_unlocked(out, flag, f"{lock} keeps being replaced")  # inode numbers that change?
+    return None
+
+
+def _names_file(path: Path, fd: int) -> bool:
+    """Whether path is still the file open as fd (not unlinked, nor replaced)."""
+    try:
+        found, held = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (found.st_dev, found.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _holder(fd: int) -> str:
+    """' (pid N)', or ' (pid N on HOST)' from another machine, as the holder wrote it; else ''."""
+    try:
+        pid, host = os.pread(fd, 256, 0).decode("utf-8").split()
+    except (OSError, UnicodeDecodeError, ValueError):  # not written yet
+        return ""
+    if not pid.isdigit():
+        return ""
+    return f" (pid {pid})" if host == socket.gethostname() else f" (pid {pid} on {host})"
+
+
+def _say_unlocked(out: Path, flag: str, reason: str) -> None:
+    """Tell that out goes unlocked, and why."""
+    print(
+        f"note: {flag} {out} cannot be locked ({reason}): nothing keeps another run from "
+        "writing to it at the same time",
+        file=sys.stderr,
+    )

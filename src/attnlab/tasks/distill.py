@@ -45,7 +45,7 @@ from attnlab.tasks.pretrain import (
 from attnlab.text.tokenizer import BertTokenizer
 from attnlab.train.config import RunOptions
 from attnlab.train.distributed import barrier, init_distributed, raise_together
-from attnlab.train.trainer import Evaluate, Trainer
+from attnlab.train.trainer import Evaluate, Trainer, hold_run_out
 
 _LAYER = re.compile(r"^bert\.encoder\.layers\.(\d+)\.(.+)$")
 
@@ -383,40 +383,44 @@ def distill(opts: DistillOptions) -> dict[str, Any]:
     if opts.overwrite:  # --overwrite replaces --out as a whole: the teacher must not be in it
         check_out_location(opts.out, [opts.teacher])
     rank, world_size, _ = init_distributed()
-    check_out_dir(data_opts)  # on every rank, before any rank writes
-    teacher, tokenizer = _load_teacher(opts)
-    torch.manual_seed(opts.seed)  # a preset student's fresh weights are part of the run
-    student = student_from_teacher(teacher, opts.student_layers, opts.student_preset)
-    same_width = teacher.config.d_model == student.config.d_model
-    alpha_cos = opts.alpha_cos if opts.alpha_cos is not None else float(same_width)
-    if opts.alpha_ce == opts.alpha_mlm == alpha_cos == 0:
-        raise AttnlabError("--alpha-ce, --alpha-mlm and --alpha-cos are all 0: nothing to learn")
-    model = DistillationModel(
-        teacher, student, opts.temperature, opts.alpha_ce, opts.alpha_mlm, alpha_cos
-    )
-    # DistilBERT's 5% warm-up; the student as initialised is scored too (step 0's eval row)
-    config = replace(trainer_config(opts, warmup_divisor=20), eval_at_start=True)
-    # As in pretrain(): rank 0 tokenizes (filling the cache) and checks the data first, and
-    # shares a failure so no rank waits at a barrier. Nothing is written before fit().
-    failure: AttnlabError | None = None
-    if rank == 0:
-        try:
+    with hold_run_out(opts.out, rank):  # no other run writes to --out until this one ends
+        check_out_dir(data_opts)  # on every rank, before any rank writes
+        teacher, tokenizer = _load_teacher(opts)
+        torch.manual_seed(opts.seed)  # a preset student's fresh weights are part of the run
+        student = student_from_teacher(teacher, opts.student_layers, opts.student_preset)
+        same_width = teacher.config.d_model == student.config.d_model
+        alpha_cos = opts.alpha_cos if opts.alpha_cos is not None else float(same_width)
+        if opts.alpha_ce == opts.alpha_mlm == alpha_cos == 0:
+            raise AttnlabError(
+                "--alpha-ce, --alpha-mlm and --alpha-cos are all 0: nothing to learn"
+            )
+        model = DistillationModel(
+            teacher, student, opts.temperature, opts.alpha_ce, opts.alpha_mlm, alpha_cos
+        )
+        # DistilBERT's 5% warm-up; the student as initialised is scored too (step 0's eval row)
+        config = replace(trainer_config(opts, warmup_divisor=20), eval_at_start=True)
+        # As in pretrain(): rank 0 tokenizes (filling the cache) and checks the data first, and
+        # shares a failure so no rank waits at a barrier. Nothing is written before fit().
+        failure: AttnlabError | None = None
+        if rank == 0:
+            try:
+                job = prepare_data(data_opts, files, tokenizer)
+                # its split is refused before --overwrite clears --out
+                job.batches.set_rank(rank, world_size)
+            except AttnlabError as err:
+                failure = err
+        raise_together(failure)
+        if rank != 0:
             job = prepare_data(data_opts, files, tokenizer)
-            job.batches.set_rank(rank, world_size)  # its split refused before --overwrite clears
-        except AttnlabError as err:
-            failure = err
-    raise_together(failure)
-    if rank != 0:
-        job = prepare_data(data_opts, files, tokenizer)
-    evaluate = distillation_evaluation(job.evaluate) if job.evaluate is not None else None
-    if rank == 0 and opts.overwrite:  # the old run goes as a whole, before anything is written
-        clear_dir(opts.out)
-    barrier()
-    trainer = Trainer(model, job.batches, config, evaluate)  # moves model (and teacher)
-    summary = trainer.fit()
-    rows = trainer.log.rows if rank == 0 else []
-    before = next((row for row in rows if row.get("eval") and row["step"] == 0), {})
-    finish(student, tokenizer, opts.out, rank)
+        evaluate = distillation_evaluation(job.evaluate) if job.evaluate is not None else None
+        if rank == 0 and opts.overwrite:  # the old run goes as a whole, before anything is written
+            clear_dir(opts.out)
+        barrier()
+        trainer = Trainer(model, job.batches, config, evaluate)  # moves model (and teacher)
+        summary = trainer.fit()
+        rows = trainer.log.rows if rank == 0 else []
+        before = next((row for row in rows if row.get("eval") and row["step"] == 0), {})
+        finish(student, tokenizer, opts.out, rank)
     return {
         **summary,
         "agreement_before": before.get("eval_fill_mask_agreement"),

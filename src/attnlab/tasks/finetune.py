@@ -53,7 +53,7 @@ from attnlab.text.tokenizer import BertTokenizer
 from attnlab.train.config import RunOptions, TrainConfig
 from attnlab.train.data import Batch
 from attnlab.train.distributed import barrier, init_distributed, shutdown_distributed
-from attnlab.train.trainer import Trainer, check_run_out, holds_run
+from attnlab.train.trainer import Trainer, check_run_out, hold_run_out, holds_run
 
 TASKS = ("classify", "regress", "ner", "qa")
 DEFAULT_MAX_LENGTH = {"classify": 128, "regress": 128, "ner": 128, "qa": 384}
@@ -719,51 +719,54 @@ def finetune(opts: FinetuneOptions) -> dict[str, Any]:
     rank, world_size, _ = init_distributed()
     # prepare() fills in defaults: it gets a copy, and the caller's options stay as given
     opts = dataclasses.replace(opts)
-    run = prepare(opts)
-    run.batches.set_rank(rank, world_size)  # its split refused before --overwrite clears --out
-    if run.fresh:
-        _say(f"{opts.model}: new randomly initialised {' and '.join(run.fresh)} for {opts.task}")
-    stage = opts.out / BEST_DIR
-    if rank == 0 and opts.overwrite:  # the old run goes as a whole, before anything is written
-        clear_dir(opts.out)
-    per_epoch = run.batches.batches_per_epoch
-    trainer = Trainer(
-        run.model,
-        run.batches,
-        run.train_config,
-        run.evaluate,
-        # with a dev set, each better dev score keeps its model; without, the last one is kept
-        on_best=(lambda model, _: _save(run, opts, model, stage)) if run.evaluate else None,
-    )
-    summary = trainer.fit()
-    if rank == 0:
-        best = summary.get("best")
-        # No dev set, or no dev score that could pick a model (NaN at every evaluation, as
-        # for a correlation of equal scores): the model kept is the last one.
-        if not best:
-            _save(run, opts, run.model.eval(), stage)
-        results = {
-            "task": opts.task,
-            "kept": "best dev" if best else "last step",
-            "best": {**best, "epoch": round(best["step"] / per_epoch, 3)} if best else None,
-            "final": {
-                "step": summary["step"],
-                "epoch": round(summary["step"] / per_epoch, 3),
-                "loss": summary["loss"],
-                "eval": summary["eval"],
-            },
-            "train_examples": run.train_examples,
-            "batches_per_epoch": per_epoch,
-            "new_head": run.fresh,
-            "labels": names_of(run.labels),
-        }
-        if stage.is_dir():
-            publish(stage, opts.out)
-        text = json.dumps(json_safe(results), indent=2, allow_nan=False)  # NaN: null
-        write_text_atomic(opts.out / RESULTS_FILE, text + "\n")
-        summary["results"] = results
-    barrier()
-    shutdown_distributed()
+    with hold_run_out(opts.out, rank):  # no other run writes to --out until this one ends
+        run = prepare(opts)
+        run.batches.set_rank(rank, world_size)  # its split refused before --overwrite clears --out
+        if run.fresh:
+            _say(
+                f"{opts.model}: new randomly initialised {' and '.join(run.fresh)} for {opts.task}"
+            )
+        stage = opts.out / BEST_DIR
+        if rank == 0 and opts.overwrite:  # the old run goes as a whole, before anything is written
+            clear_dir(opts.out)
+        per_epoch = run.batches.batches_per_epoch
+        trainer = Trainer(
+            run.model,
+            run.batches,
+            run.train_config,
+            run.evaluate,
+            # with a dev set, each better dev score keeps its model; without, the last one is kept
+            on_best=(lambda model, _: _save(run, opts, model, stage)) if run.evaluate else None,
+        )
+        summary = trainer.fit()
+        if rank == 0:
+            best = summary.get("best")
+            # No dev set, or no dev score that could pick a model (NaN at every evaluation, as
+            # for a correlation of equal scores): the model kept is the last one.
+            if not best:
+                _save(run, opts, run.model.eval(), stage)
+            results = {
+                "task": opts.task,
+                "kept": "best dev" if best else "last step",
+                "best": {**best, "epoch": round(best["step"] / per_epoch, 3)} if best else None,
+                "final": {
+                    "step": summary["step"],
+                    "epoch": round(summary["step"] / per_epoch, 3),
+                    "loss": summary["loss"],
+                    "eval": summary["eval"],
+                },
+                "train_examples": run.train_examples,
+                "batches_per_epoch": per_epoch,
+                "new_head": run.fresh,
+                "labels": names_of(run.labels),
+            }
+            if stage.is_dir():
+                publish(stage, opts.out)
+            text = json.dumps(json_safe(results), indent=2, allow_nan=False)  # NaN: null
+            write_text_atomic(opts.out / RESULTS_FILE, text + "\n")
+            summary["results"] = results
+        barrier()
+        shutdown_distributed()
     return summary
 
 

@@ -44,7 +44,14 @@ from attnlab.train.distributed import (
 )
 from attnlab.train.grads import clipped_step, kept_embedding_grads
 from attnlab.train.memory import keep_freed_memory
-from attnlab.train.trainer import TrainConfig, Trainer, check_run_out, has_checkpoint, holds_run
+from attnlab.train.trainer import (
+    TrainConfig,
+    Trainer,
+    check_run_out,
+    has_checkpoint,
+    hold_run_out,
+    holds_run,
+)
 
 MASKING_SETTINGS = ("whole_word_masking", "static_masking", "mask_prob", "max_predictions")
 TOKENIZER_DIR = "tokenizer"  # inside the output: the vocabulary a resumed run must reuse
@@ -456,30 +463,32 @@ def pretrain(opts: PretrainOptions) -> dict[str, Any]:
     for file in files:
         check_input_file(file, "corpus file")
     rank, world_size, _ = init_distributed()
-    check_out_dir(opts)  # on every rank, before any rank writes
-    # Rank 0 makes the vocabulary, tokenizes and checks everything; only then is anything
-    # written to --out. A failure is shared with every rank, so none waits at a barrier.
-    failure: AttnlabError | None = None
-    if rank == 0:
-        try:
-            tokenizer = run_tokenizer(opts, files)
+    with hold_run_out(opts.out, rank):  # no other run writes to --out until this one ends
+        check_out_dir(opts)  # on every rank, before any rank writes
+        # Rank 0 makes the vocabulary, tokenizes and checks everything; only then is anything
+        # written to --out. A failure is shared with every rank, so none waits at a barrier.
+        failure: AttnlabError | None = None
+        if rank == 0:
+            try:
+                tokenizer = run_tokenizer(opts, files)
+                data = prepare_data(opts, files, tokenizer)
+                # its split is refused before --overwrite clears --out
+                data.batches.set_rank(rank, world_size)
+                torch.manual_seed(opts.seed)  # the initial weights are part of the run
+                model = build_model(opts, tokenizer)
+            except AttnlabError as err:
+                failure = err
+        raise_together(failure)
+        if rank == 0:
+            _save_tokenizer(opts, tokenizer)
+        barrier()
+        if rank != 0:
+            tokenizer = BertTokenizer.from_dir(opts.out / TOKENIZER_DIR)
             data = prepare_data(opts, files, tokenizer)
-            data.batches.set_rank(rank, world_size)  # its split refused before --overwrite clears
-            torch.manual_seed(opts.seed)  # the initial weights are part of the run
+            torch.manual_seed(opts.seed)
             model = build_model(opts, tokenizer)
-        except AttnlabError as err:
-            failure = err
-    raise_together(failure)
-    if rank == 0:
-        _save_tokenizer(opts, tokenizer)
-    barrier()
-    if rank != 0:
-        tokenizer = BertTokenizer.from_dir(opts.out / TOKENIZER_DIR)
-        data = prepare_data(opts, files, tokenizer)
-        torch.manual_seed(opts.seed)
-        model = build_model(opts, tokenizer)
-    summary = Trainer(model, data.batches, config, data.evaluate).fit()
-    finish(model, tokenizer, opts.out, rank)
+        summary = Trainer(model, data.batches, config, data.evaluate).fit()
+        finish(model, tokenizer, opts.out, rank)
     return summary
 
 

@@ -62,6 +62,7 @@ from attnlab.train.trainer import (
     Trainer,
     check_run_out,
     has_checkpoint,
+    hold_run_out,
     holds_run,
 )
 
@@ -575,39 +576,41 @@ def train_translation(
     opts.validate()
     config = trainer_config(opts)  # checked before anything is written
     rank, world_size, _ = init_distributed()
-    check_out_dir(opts)  # on every rank, before any rank writes
-    # Rank 0 reads the data, learns the vocabulary and checks everything; only then is anything
-    # written to --out. A failure is shared with every rank, so none waits at a barrier.
-    failure: AttnlabError | None = None
-    if rank == 0:
-        try:
-            data = prepare(opts)
-            data.batches.set_rank(rank, world_size)  # its split refused before --overwrite clears
-        except AttnlabError as err:
-            failure = err
-    raise_together(failure)
-    if rank == 0:
-        for note in data.messages:
-            say(note)
-        torch.manual_seed(opts.seed)  # the initial weights are part of the run
-        model = Transformer(data.config)  # a model too large for memory fails before any write
-        _write_run_files(opts, data)
-    barrier()
-    if rank != 0:
-        data = prepare(opts, from_out=True)
-        torch.manual_seed(opts.seed)
-        model = Transformer(data.config)
-    evaluate = evaluation(data, opts.max_tokens, opts.eval_sentences, opts.eval_beam)
-    if evaluate is None:
-        config = dataclasses.replace(config, best_metric=None)
+    with hold_run_out(opts.out, rank):  # no other run writes to --out until this one ends
+        check_out_dir(opts)  # on every rank, before any rank writes
+        # Rank 0 reads the data, learns the vocabulary and checks everything; only then is anything
+        # written to --out. A failure is shared with every rank, so none waits at a barrier.
+        failure: AttnlabError | None = None
+        if rank == 0:
+            try:
+                data = prepare(opts)
+                # its split is refused before --overwrite clears --out
+                data.batches.set_rank(rank, world_size)
+            except AttnlabError as err:
+                failure = err
+        raise_together(failure)
+        if rank == 0:
+            for note in data.messages:
+                say(note)
+            torch.manual_seed(opts.seed)  # the initial weights are part of the run
+            model = Transformer(data.config)  # a model too large for memory fails before any write
+            _write_run_files(opts, data)
+        barrier()
+        if rank != 0:
+            data = prepare(opts, from_out=True)
+            torch.manual_seed(opts.seed)
+            model = Transformer(data.config)
+        evaluate = evaluation(data, opts.max_tokens, opts.eval_sentences, opts.eval_beam)
+        if evaluate is None:
+            config = dataclasses.replace(config, best_metric=None)
 
-    def keep_best(best_model: nn.Module, metrics: dict[str, float]) -> None:
-        save_model_dir(opts.out / BEST_DIR, data.config, data.tokenizer, best_model)
+        def keep_best(best_model: nn.Module, metrics: dict[str, float]) -> None:
+            save_model_dir(opts.out / BEST_DIR, data.config, data.tokenizer, best_model)
 
-    on_best = keep_best if config.best_metric is not None else None
-    summary = Trainer(model, data.batches, config, evaluate, on_best=on_best).fit()
-    if rank == 0:
-        summary.update(_finish(opts, model, data, evaluate))
-    barrier()
-    shutdown_distributed()
+        on_best = keep_best if config.best_metric is not None else None
+        summary = Trainer(model, data.batches, config, evaluate, on_best=on_best).fit()
+        if rank == 0:
+            summary.update(_finish(opts, model, data, evaluate))
+        barrier()
+        shutdown_distributed()
     return summary

@@ -32,7 +32,13 @@ from tqdm import tqdm
 
 from attnlab.cpu import fast_bf16_matmul
 from attnlab.errors import AttnlabError
-from attnlab.io import check_out_location, contents, remove_leftovers, remove_trash_of
+from attnlab.io import (
+    check_out_location,
+    contents,
+    lock_out_dir,
+    remove_leftovers,
+    remove_trash_of,
+)
 from attnlab.train.checkpoint import (
     capture_rng,
     latest_checkpoint,
@@ -49,6 +55,7 @@ from attnlab.train.distributed import (
     barrier,
     gather_objects,
     init_distributed,
+    raise_together,
 )
 from attnlab.train.grads import clipped_step, kept_embedding_grads
 from attnlab.train.log import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss_curve
@@ -97,6 +104,26 @@ def check_run_out(
         raise AttnlabError(f"--out {out} {what}: pass --resume to continue or --overwrite")
     if resume and not started:
         raise AttnlabError(f"--resume: {out} holds no {job} run to resume")
+
+
+@contextlib.contextmanager
+def hold_run_out(out: Path, rank: int) -> Iterator[None]:
+    """Keep out to this run while the block runs: refused, on every rank, while another run has it.
+
+    Every training job holds it from before its --out check to its last write, so that a
+    second run (a --resume, an --overwrite) can neither write beside it nor replace out under
+    it. Rank 0 alone takes the lock (io.lock_out_dir): it alone writes, and the ranks of one
+    run, on one machine or several sharing out, must not shut each other out.
+    """
+    with contextlib.ExitStack() as stack:
+        failure: AttnlabError | None = None
+        if rank == 0:
+            try:
+                stack.enter_context(lock_out_dir(out))
+            except AttnlabError as err:
+                failure = err
+        raise_together(failure)  # the other ranks stop too, rather than wait at a barrier
+        yield
 
 
 def has_checkpoint(out: Path) -> bool:
@@ -180,7 +207,8 @@ class Trainer:
     ``optimizer`` / ``scheduler`` default to those the config names (AdamW decays the weights
     of 2-D and larger parameters but no biases: train/optim.py: decay_groups). Under torchrun the
     model is wrapped in DistributedDataParallel and each rank reads its own shard of batches;
-    only rank 0 writes files or shows progress.
+    only rank 0 writes files or shows progress. While ``fit()`` runs, another run into
+    ``config.out_dir`` is refused (hold_run_out).
 
     For the whole process, not just the run: ``fit()`` seeds Python's, numpy's and torch's
     global generators with ``config.seed``, and the trainer tells glibc's malloc to keep
@@ -266,6 +294,10 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train to config.steps (resuming if asked), evaluating, saving and plotting; a summary."""
+        with hold_run_out(self.config.out_dir, self.rank):  # a job holds it already: joined
+            return self._fit()
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.config
         self._started = time.perf_counter()
         seed_everything(cfg.seed + self.rank)  # ranks differ in dropout, as their data does
