@@ -469,6 +469,111 @@ def test_a_killed_builds_scratch_folder_is_removed_by_the_next_build(
     assert not dead.exists() and live.exists()
 
 
+def test_an_edited_corpus_leaves_no_cache_behind(
+    tmp_path: Path, minilm_tokenizer: BertTokenizer, capsys: pytest.CaptureFixture
+) -> None:
+    # Every edit left the old cache in ~/.cache/attnlab/corpora for good: a 10 GB corpus
+    # edited three times held 40 GB there.
+    path = _write_blank_separated(tmp_path / "corpus.txt", ENGLISH_DOCS)
+    cache = tmp_path / "cache"
+    first = TokenizedCorpus.build([path], minilm_tokenizer, cache)
+    tokens = np.array(first.tokens)
+    capsys.readouterr()
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write("\nA fourth document appears.\n")
+    edited = TokenizedCorpus.build([path], minilm_tokenizer, cache)
+    assert not first.directory.exists() and edited.n_documents == 4
+    assert sorted(p.name for p in cache.iterdir()) == [edited.directory.name]
+    assert capsys.readouterr().err == (
+        f"note: removed 1 corpus caches that no longer match their files (0.0 GB) from {cache}\n"
+    )
+    assert np.array_equal(first.tokens, tokens)  # a run that has it mapped reads on
+    TokenizedCorpus.build([path], minilm_tokenizer, cache)
+    assert capsys.readouterr().err == ""  # a cache hit removes nothing and says nothing
+
+
+def test_the_cache_of_a_deleted_corpus_file_is_removed(
+    tmp_path: Path, minilm_tokenizer: BertTokenizer, capsys: pytest.CaptureFixture
+) -> None:
+    cache = tmp_path / "cache"
+    gone = _write_blank_separated(tmp_path / "gone.txt", ENGLISH_DOCS)
+    gone_cache = TokenizedCorpus.build([gone], minilm_tokenizer, cache).directory
+    gone.unlink()
+    kept = _write_blank_separated(tmp_path / "kept.txt", ENGLISH_DOCS[:2])
+    kept_cache = TokenizedCorpus.build([kept], minilm_tokenizer, cache).directory
+    assert not gone_cache.exists() and kept_cache.exists()
+    assert "note: removed 1 corpus caches" in capsys.readouterr().err
+
+
+def test_only_caches_that_can_never_be_served_are_removed(
+    tmp_path: Path, minilm_tokenizer: BertTokenizer, capsys: pytest.CaptureFixture
+) -> None:
+    cache = tmp_path / "cache"
+    other = _write_blank_separated(tmp_path / "other.txt", ENGLISH_DOCS[:2])
+    other_cache = TokenizedCorpus.build([other], minilm_tokenizer, cache).directory
+    key = pretraining._file_key(other.resolve())
+
+    def folder(name: str, meta: object, root: Path = cache) -> Path:
+        (root / name).mkdir()
+        (root / name / "tokens.bin").write_bytes(bytes(1000))
+        if meta is not None:
+            text = meta if isinstance(meta, str) else json.dumps(meta)
+            (root / name / "meta.json").write_text(text)
+        return root / name
+
+    older = folder("0123456789abcdef0123", {"format": 3, "files": [str(other)]})
+    survivors = [
+        folder("1" * 20, {"format": 5}),  # a newer attnlab's, sharing the folder
+        folder("2" * 20, {"format": 4, "files": [str(other)]}),  # format 4, no file keys
+        folder("3" * 20, None),  # no meta.json
+        folder("4" * 20, "{not json"),
+        folder("5" * 20, {"format": "3"}),
+        folder("6" * 20, {"format": 4, "file_keys": "/gone"}),
+        folder("7" * 20, {"format": 4, "file_keys": [["gone.txt", 1, 2, 3]]}),  # relative
+        folder("8" * 20, {"format": 4, "file_keys": [[*key[:3], "3"]]}),
+        folder("not-a-cache", {"format": 3}),
+        folder("ABCDEF0123456789ABCD", {"format": 3}),  # not a name _fingerprint gives
+        folder(f".{'9' * 20}.{os.getpid()}.{'0' * 32}.tmp", {"format": 3}),  # a live build
+        other_cache,  # its file is unchanged
+    ]
+    (cache / ("a" * 20)).write_text('{"format": 3}')  # a file, not a folder
+    (cache / ("b" * 20)).symlink_to(folder("linked", {"format": 3}, tmp_path))
+    survivors += [cache / ("a" * 20), cache / ("b" * 20), tmp_path / "linked" / "meta.json"]
+    capsys.readouterr()
+
+    path = _write_blank_separated(tmp_path / "corpus.txt", ENGLISH_DOCS)
+    corpus = TokenizedCorpus.build([path], minilm_tokenizer, cache)
+    assert not older.exists() and corpus.directory.exists()
+    assert [p for p in survivors if not p.exists()] == []
+    assert "note: removed 1 corpus caches" in capsys.readouterr().err
+    cased = BertTokenizer.from_vocab(minilm_tokenizer.vocab, lowercase=False)
+    TokenizedCorpus.build([path], cased, cache)  # the same file under another vocabulary
+    assert corpus.directory.exists() and capsys.readouterr().err == ""
+
+
+def test_a_cache_that_cannot_be_removed_does_not_stop_the_run(
+    tmp_path: Path,
+    minilm_tokenizer: BertTokenizer,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    cache = tmp_path / "cache"
+    stale = cache / ("c" * 20)
+    stale.mkdir(parents=True)
+    (stale / "meta.json").write_text('{"format": 3}')
+    real_rename = os.rename
+
+    def refused(source: Path, destination: Path) -> None:
+        if Path(source) == stale:
+            raise PermissionError(13, "Permission denied", str(source))
+        real_rename(source, destination)
+
+    monkeypatch.setattr(pretraining.os, "rename", refused)
+    path = _write_blank_separated(tmp_path / "corpus.txt", ENGLISH_DOCS)
+    assert TokenizedCorpus.build([path], minilm_tokenizer, cache).n_documents == 3
+    assert stale.is_dir() and capsys.readouterr().err == ""
+
+
 def test_a_cache_that_cannot_be_written_says_where(
     tmp_path: Path, minilm_tokenizer: BertTokenizer, monkeypatch
 ) -> None:

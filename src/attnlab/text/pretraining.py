@@ -312,7 +312,9 @@ class TokenizedCorpus:
         change time (which no call sets back), the vocabulary and normalisation of
         `tokenizer`, and `chinese_words`. With `chinese_words` a Chinese character starts a
         word only where jieba's segmentation starts one, for whole-word masking of Chinese
-        (Cui et al. 2021, BERT-wwm).
+        (Cui et al. 2021, BERT-wwm). A build that tokenizes also removes the caches in
+        cache_dir that no build can ask for again: of an older format, or of a file that has
+        changed or gone since.
         """
         paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
         if not paths:
@@ -321,8 +323,9 @@ class TokenizedCorpus:
         for path in paths:
             if not path.is_file():
                 raise AttnlabError(f"corpus file {path} not found")
+        file_keys = [_file_key(path) for path in paths]
         cache_root = Path(cache_dir)
-        target = cache_root / _fingerprint(paths, tokenizer, chinese_words)
+        target = cache_root / _fingerprint(file_keys, tokenizer, chinese_words)
         damaged = target.exists()  # built caches are renamed into place whole
         if damaged:
             try:
@@ -337,12 +340,15 @@ class TokenizedCorpus:
             raise AttnlabError(f"cache directory {cache_root} is a file, not a directory")
         cache_root.mkdir(parents=True, exist_ok=True)
         _remove_dead_builds(cache_root)
+        # Before tokenizing, so that an edited corpus's old cache makes room for its new one:
+        # what is removed can never be served again, so a build that fails loses nothing.
+        _remove_stale_caches(cache_root, keep=target)
         # Built under a temporary name and renamed, so a crash or a concurrent build never
         # leaves a half-written cache where `open` would find it.
         scratch = cache_root / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
         try:
             scratch.mkdir()  # in the try: a read-only cache refuses it, naming the scratch
-            _write_corpus(paths, tokenizer, segmenter, scratch, progress)
+            _write_corpus(paths, file_keys, tokenizer, segmenter, scratch, progress)
             if damaged and target.is_dir():
                 shutil.rmtree(target)
             try:
@@ -474,13 +480,68 @@ def _remove_dead_builds(cache_root: Path) -> None:
             continue  # not a name of ours, or another user's live process
 
 
-def _fingerprint(paths: list[Path], tokenizer: BertTokenizer, chinese_words: bool) -> str:
+def _remove_stale_caches(cache_root: Path, keep: Path) -> None:
+    """Delete the caches in cache_root that no build can ask for again, saying so on stderr."""
+    removed, size = 0, 0
+    # Only the names _fingerprint gives: the scratch folders of live builds are dot-names.
+    for cache in cache_root.glob("[0-9a-f]" * 20):
+        if cache.name == keep.name or cache.is_symlink() or not cache.is_dir():
+            continue
+        try:
+            meta = json.loads((cache / "meta.json").read_text(encoding="utf-8"))
+            form = meta["format"]
+            # A newer format may be another attnlab's that shares the folder.
+            if type(form) is not int or form > _CACHE_FORMAT:
+                continue
+            if form == _CACHE_FORMAT and not any(map(_file_changed, meta["file_keys"])):
+                continue  # the same files, tokenized for another vocabulary
+        except (OSError, ValueError, TypeError, KeyError, RecursionError):
+            continue  # not clearly one of ours (or format 4 without file keys): left alone
+        # Renamed first, as a scratch folder of this process: a reader sees it whole or not at
+        # all, and if this process dies mid-delete, _remove_dead_builds finishes the job. A
+        # run that has the arrays mapped keeps reading them (unlinked files live on).
+        doomed = cache_root / f".{cache.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        try:
+            os.rename(cache, doomed)
+            freed = sum(entry.lstat().st_size for entry in doomed.iterdir())
+            shutil.rmtree(doomed)
+        except OSError:
+            continue  # another process removed it first, or this user may not
+        removed, size = removed + 1, size + freed
+    if removed:
+        print(
+            f"note: removed {removed} corpus caches that no longer match their files "
+            f"({size / 1e9:.1f} GB) from {cache_root}",
+            file=sys.stderr,
+        )
+
+
+def _file_changed(key: list[str | int]) -> bool:
+    """Whether the corpus file a cache recorded with `_file_key` has changed or gone since."""
+    if not (
+        isinstance(key, list)
+        and len(key) == 4
+        and isinstance(key[0], str)
+        and os.path.isabs(key[0])
+        and all(type(number) is int for number in key[1:])
+    ):
+        raise ValueError(f"not a file key: {key!r}")
+    try:
+        # A changed key is for good: no call sets the inode change time back.
+        return _file_key(Path(key[0])) != key
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+
+
+def _fingerprint(
+    file_keys: list[list[str | int]], tokenizer: BertTokenizer, chinese_words: bool
+) -> str:
     """A name for the cache that changes whenever the tokenized arrays could change."""
     vocab = tokenizer.vocab
     tokens_in_id_order = "\n".join(sorted(vocab, key=vocab.__getitem__))
     key = {
         "format": _CACHE_FORMAT,
-        "files": [_file_key(path) for path in paths],
+        "files": file_keys,
         "vocab_sha256": hashlib.sha256(tokens_in_id_order.encode("utf-8")).hexdigest(),
         "lowercase": tokenizer.lowercase,
         "strip_accents": tokenizer.strip_accents,
@@ -530,6 +591,7 @@ def _encode_chunk(tokenizer: BertTokenizer, sentences: list[str]) -> list[tokeni
 
 def _write_corpus(
     paths: list[Path],
+    file_keys: list[list[str | int]],
     tokenizer: BertTokenizer,
     segmenter: _Jieba | None,
     out: Path,
@@ -565,6 +627,9 @@ def _write_corpus(
     meta = {
         "format": _CACHE_FORMAT,
         "files": [str(path) for path in paths],
+        # The keys the cache's name was made from: a later build tells by them, without the
+        # vocabulary, that no build can ask for this cache again once a file has changed.
+        "file_keys": file_keys,
         "lengths": {
             "tokens": writer.n_tokens,
             "word_starts": writer.n_tokens,
