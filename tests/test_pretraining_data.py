@@ -485,7 +485,7 @@ def test_an_edited_corpus_leaves_no_cache_behind(
     assert not first.directory.exists() and edited.n_documents == 4
     assert sorted(p.name for p in cache.iterdir()) == [edited.directory.name]
     assert capsys.readouterr().err == (
-        f"note: removed 1 corpus caches that no longer match their files (0.0 GB) from {cache}\n"
+        f"note: removed 1 corpus cache that no run can use again (0.0 GB) from {cache}\n"
     )
     assert np.array_equal(first.tokens, tokens)  # a run that has it mapped reads on
     TokenizedCorpus.build([path], minilm_tokenizer, cache)
@@ -502,7 +502,7 @@ def test_the_cache_of_a_deleted_corpus_file_is_removed(
     kept = _write_blank_separated(tmp_path / "kept.txt", ENGLISH_DOCS[:2])
     kept_cache = TokenizedCorpus.build([kept], minilm_tokenizer, cache).directory
     assert not gone_cache.exists() and kept_cache.exists()
-    assert "note: removed 1 corpus caches" in capsys.readouterr().err
+    assert "note: removed 1 corpus cache that" in capsys.readouterr().err
 
 
 def test_only_caches_that_can_never_be_served_are_removed(
@@ -545,7 +545,7 @@ def test_only_caches_that_can_never_be_served_are_removed(
     corpus = TokenizedCorpus.build([path], minilm_tokenizer, cache)
     assert not older.exists() and corpus.directory.exists()
     assert [p for p in survivors if not p.exists()] == []
-    assert "note: removed 1 corpus caches" in capsys.readouterr().err
+    assert "note: removed 1 corpus cache that" in capsys.readouterr().err
     cased = BertTokenizer.from_vocab(minilm_tokenizer.vocab, lowercase=False)
     TokenizedCorpus.build([path], cased, cache)  # the same file under another vocabulary
     assert corpus.directory.exists() and capsys.readouterr().err == ""

@@ -510,8 +510,8 @@ def _remove_stale_caches(cache_root: Path, keep: Path) -> None:
         removed, size = removed + 1, size + freed
     if removed:
         print(
-            f"note: removed {removed} corpus caches that no longer match their files "
-            f"({size / 1e9:.1f} GB) from {cache_root}",
+            f"note: removed {removed} corpus cache{'s' if removed > 1 else ''} that no run "
+            f"can use again ({size / 1e9:.1f} GB) from {cache_root}",
             file=sys.stderr,
         )
 
