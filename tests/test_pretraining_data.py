@@ -181,14 +181,26 @@ def test_read_documents_reads_lines_in_pieces(
         list(read_documents(bad))
 
 
+def _build_measuring_memory(
+    path: Path, tokenizer: BertTokenizer, cache: Path
+) -> tuple[TokenizedCorpus, int]:
+    """TokenizedCorpus.build of one file, and the peak of Python's allocations meanwhile."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        corpus = TokenizedCorpus.build([path], tokenizer, cache)
+        return corpus, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_a_one_line_corpus_is_read_and_tokenized_in_bounded_memory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A 50 MB corpus of one line (one document) took 1.93 GB to tokenize: the line, its
     # sentences and their encodings were held at once. Read in pieces and tokenized in
     # chunks, the text held at a time is bounded whatever the size of a line or document.
-    import tracemalloc
-
     monkeypatch.setattr(pretraining, "_PIECE_BYTES", 4096)
     monkeypatch.setattr(pretraining, "_CHUNK_SENTENCES", 64)
     words = ["sentence", "of", "the", "one", "long", "line", ".", *"0123456789"]
@@ -205,12 +217,7 @@ def test_a_one_line_corpus_is_read_and_tokenized_in_bounded_memory(
         return real_encode(tokenizer, chunk)
 
     monkeypatch.setattr(pretraining, "_encode_chunk", encode)
-    tracemalloc.start()
-    try:
-        corpus = TokenizedCorpus.build([path], tokenizer, tmp_path / "cache")
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    corpus, peak = _build_measuring_memory(path, tokenizer, tmp_path / "cache")
     assert corpus.n_documents == 1 and corpus.n_sentences == len(sentences)
     assert max(sizes) == 64 and sum(sizes) == len(sentences)
     assert peak < 1_000_000, peak  # was 39.8 MB: the line, 40,000 strings, their encodings
@@ -224,8 +231,6 @@ def test_a_line_without_sentence_ends_is_tokenized_in_bounded_memory(
 ) -> None:
     # The same for a line with no sentence end (unpunctuated text, a dump): it was one
     # sentence, held and encoded whole (a 32 MB line: 5 GB and 33 s; now 82 MB and 6 s).
-    import tracemalloc
-
     monkeypatch.setattr(pretraining, "_PIECE_BYTES", 4096)
     monkeypatch.setattr(pretraining, "_CHUNK_CHARS", 16384)
     vocab = [*SPECIAL_TOKENS, *(f"w{i}" for i in range(10))]
@@ -233,12 +238,7 @@ def test_a_line_without_sentence_ends_is_tokenized_in_bounded_memory(
     words = [f"w{i % 10}" for i in range(200_000)]
     path = tmp_path / "no-ends.txt"
     path.write_text(" ".join(words) + "\n", encoding="utf-8")  # 600 KB
-    tracemalloc.start()
-    try:
-        corpus = TokenizedCorpus.build([path], tokenizer, tmp_path / "cache")
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    corpus, peak = _build_measuring_memory(path, tokenizer, tmp_path / "cache")
     assert peak < 1_000_000, peak  # 0.22 MB; was 3.5 MB: the line and its sentence held whole
     assert corpus.n_documents == 1 and corpus.n_sentences == 147  # 4,095 characters a piece
     tokens = np.concatenate([corpus.sentence(i) for i in range(corpus.n_sentences)])
