@@ -7,8 +7,8 @@ traffic, not arithmetic (a softmax over it took 22.5 ms there, 7 ms timed alone)
 forward pass keeps one number a row, the log-sum-exp, and the backward pass recomputes
 ``exp(z - lse)`` a block of rows at a time, turning it into the gradient while the block is
 in cache and writing it once, in the logits' own dtype. Autograd's ``log_softmax`` +
-``nll_loss`` (or a kept softmax, as here before) writes and rereads whole (rows, vocab)
-tensors instead; bf16 logits under autocast were also widened to an fp32 copy first.
+``nll_loss``, or a softmax kept for the backward pass, writes and rereads whole (rows, vocab)
+tensors instead, and bf16 logits (autocast) would first be widened to a whole fp32 copy.
 The loss is exact where softmax(z)[y] underflows (a gap of hundreds): lse - z[y] is that gap.
 Sums are in fp32 at least (fp64 logits stay fp64).
 """
@@ -47,11 +47,13 @@ class _SummedCrossEntropy(torch.autograd.Function):
     def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
         logits, target, lse = ctx.saved_tensors
         d_logits = torch.empty_like(logits)
-        widen = lse.dtype != logits.dtype
+        widen = lse.dtype != logits.dtype  # half-precision logits: computed in a wider block
+        rows = min(ctx.block, len(logits))
+        scratch = logits.new_empty((rows, logits.shape[1]), dtype=lse.dtype) if widen else None
         for start in range(0, len(logits), ctx.block):
             end = min(start + ctx.block, len(logits))
             out = d_logits[start:end]
-            block = logits.new_empty(out.shape, dtype=lse.dtype) if widen else out
+            block = scratch[: end - start] if scratch is not None else out
             torch.sub(logits[start:end], lse[start:end, None], out=block)
             block.exp_()  # softmax of the block's rows
             block[torch.arange(end - start, device=block.device), target[start:end]] -= 1.0
