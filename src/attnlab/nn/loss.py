@@ -22,16 +22,12 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 _BLOCK_ELEMENTS = 1 << 18  # a block of rows in compute precision: 1 MB in fp32, cache-sized
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
 class _SummedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, logits: Tensor, target: Tensor) -> Tensor:
         rows, vocab = logits.shape
         block = max(1, _BLOCK_ELEMENTS // max(vocab, 1))
-        dtype = _compute_dtype(logits.dtype)
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64 for fp64
         lse = logits.new_empty(rows, dtype=dtype)
         for start in range(0, rows, block):  # widened a block at a time (bf16), in cache
             torch.logsumexp(

@@ -117,9 +117,7 @@ class _LineSplitter:
             self.text, self.scan = "", 0
         else:
             # Up to scan no sentence ends: what exceeds the bound there can go now.
-            cuts = _cuts(text, start, scan)
-            held = cuts[-1] if cuts else start
-            _add_sentence(sentences, text, start, held)
+            held = _add_pieces(sentences, text, start, _cuts(text, start, scan))
             self.text, self.scan = text[held:], scan - held
         return sentences
 
@@ -140,11 +138,17 @@ def _cuts(text: str, start: int, end: int) -> list[int]:
 
 def _add_sentence(sentences: list[str], text: str, start: int, end: int) -> None:
     """Append text[start:end], stripped, in pieces of at most _MAX_SENTENCE_CHARS (none if blank)."""
-    for cut in [*_cuts(text, start, end), end]:
-        sentence = text[start:cut].strip()
-        if sentence:
-            sentences.append(sentence)
-        start = cut
+    _add_pieces(sentences, text, start, [*_cuts(text, start, end), end])
+
+
+def _add_pieces(sentences: list[str], text: str, start: int, ends: list[int]) -> int:
+    """Append text[start:ends[0]], text[ends[0]:ends[1]], ... stripped (none if blank); the last end."""
+    for end in ends:
+        piece = text[start:end].strip()
+        if piece:
+            sentences.append(piece)
+        start = end
+    return start
 
 
 def read_sentences(path: str | Path) -> Iterator[tuple[str, bool]]:
