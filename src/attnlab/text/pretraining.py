@@ -137,12 +137,12 @@ def _cuts(text: str, start: int, end: int) -> list[int]:
 
 
 def _add_sentence(sentences: list[str], text: str, start: int, end: int) -> None:
-    """Append text[start:end], stripped, in pieces of at most _MAX_SENTENCE_CHARS (none if blank)."""
+    """Append text[start:end], stripped, in pieces of at most _MAX_SENTENCE_CHARS (if not blank)."""
     _add_pieces(sentences, text, start, [*_cuts(text, start, end), end])
 
 
 def _add_pieces(sentences: list[str], text: str, start: int, ends: list[int]) -> int:
-    """Append text[start:ends[0]], text[ends[0]:ends[1]], ... stripped (none if blank); the last end."""
+    """Append text[start:ends[0]], text[ends[0]:ends[1]], ..., stripped and not blank; the last end."""
     for end in ends:
         piece = text[start:end].strip()
         if piece:
