@@ -142,7 +142,10 @@ def _add_sentence(sentences: list[str], text: str, start: int, end: int) -> None
 
 
 def _add_pieces(sentences: list[str], text: str, start: int, ends: list[int]) -> int:
-    """Append text[start:ends[0]], text[ends[0]:ends[1]], ..., stripped and not blank; the last end."""
+    """Append the pieces text[start:ends[0]], text[ends[0]:ends[1]], ... that are not blank.
+
+    Each stripped; returns the last end (start if ends is empty).
+    """
     for end in ends:
         piece = text[start:end].strip()
         if piece:
