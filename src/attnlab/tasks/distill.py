@@ -32,7 +32,7 @@ from attnlab.errors import AttnlabError
 from attnlab.interop.hf import check_vocabulary, load_bert, read_config
 from attnlab.io import check_input_file, check_out_location, clear_dir, resolved_path
 from attnlab.models.bert import BertForPreTraining, count_parameters
-from attnlab.nn.loss import summed_cross_entropy
+from attnlab.nn.loss import summed_cross_entropy, summed_kl_divergence
 from attnlab.tasks.pretrain import (
     PretrainOptions,
     bundled_corpus,
@@ -129,9 +129,7 @@ def soft_target_loss(
     Logits are (n, vocab). The T^2 factor (Hinton et al. 2015, section 2) keeps the soft
     targets' gradients, which shrink as 1/T^2, on the scale of the hard-label loss.
     """
-    student_log = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    teacher_log = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    kl = F.kl_div(student_log, teacher_log, reduction="sum", log_target=True)
+    kl = summed_kl_divergence(student_logits, teacher_logits, temperature)
     divisor = max(student_logits.shape[0], 1) if normalizer is None else normalizer
     # A product, not **2: past T = 1.3e154 Python's ** raises OverflowError, where the product
     # is inf and the loss diverges (a null loss), as it does once T^2 overflows float32.
