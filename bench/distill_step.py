@@ -67,7 +67,8 @@ def main() -> None:
         "seq_len": args.seq_len, "precision": args.precision, "threads": args.threads,
         "steps": args.steps, "seconds_per_step": round(seconds, 4),
         "tokens_per_s": round(args.batch_size * args.seq_len / seconds, 1),
-        "loss": loss, "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "loss": loss,
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }))  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""How high a pretraining step's utilisation could go in eager PyTorch: its operations timed in the step and alone.
+"""How high a pretraining step's utilisation could go: its operations timed in the step and alone.
 
 Model FLOPs utilisation (MFU) is the model's FLOPs over the step's time and the machine's
 matmul peak (bench/pretrain.py's count and peak). A step is its matrix products, the other

@@ -1,4 +1,4 @@
-"""Summed cross-entropy and KL divergence (attnlab.nn.loss) against PyTorch's own, value and gradient."""
+"""Summed cross-entropy and KL divergence (attnlab.nn.loss) against PyTorch's, value and grads."""
 
 from __future__ import annotations
 
