@@ -18,7 +18,9 @@ From these it prints the step's MFU; the ceiling if everything but the products 
 (products at their in-step speed, and alone); the ceiling if every operation ran at its
 standalone speed with no Python in between; and, for a target (--target, default 0.8), the
 time the step allows everything that is not a product. Fastest times count throughout, as the
-shared host's speed drifts by 10-20% within a minute. The dispatch mode's own references to
+shared host's speed drifts by 10-20% within a minute; "the rest" is the fastest step less the
+fastest products and other operations, each from its own step, so drift moves it most (it can
+come out negative). The dispatch mode's own references to
 tensors keep autograd from summing some gradients in place: under it, the tied embedding's
 two gradients are summed into a new (vocab, width) tensor (about 8 ms at bert-small, against
 about 1 ms for the in-place sum of the step without it), so "other" reads a little high.
