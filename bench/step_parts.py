@@ -1,7 +1,10 @@
-"""Three memory-bound parts of a bert-small training step, attnlab's way against the plain one.
+"""Memory-bound parts of a bert-small training step and of distillation's, attnlab's and plain.
 
 - MLM loss forward and backward on (598, 30,522) logits: ``nn/loss.py: summed_cross_entropy``
   against ``F.cross_entropy(reduction="sum")``;
+- distillation's KL term forward and backward on two (598, 30,522) logits at T = 2:
+  ``nn/loss.py: summed_kl_divergence`` against ``F.kl_div`` of two ``log_softmax``es
+  (what ``attnlab distill`` computed before);
 - a bias gradient, the column sums of a (4,096, 2,048) output gradient: ``ones @ rows``
   (nn/linear.py) against ``rows.sum(0)``;
 - the clipping norm of bert-small's gradients: squared norms by BLAS dot
@@ -52,7 +55,7 @@ def main() -> None:
 
     from attnlab.config import BertConfig
     from attnlab.models.bert import BertForPreTraining
-    from attnlab.nn.loss import summed_cross_entropy
+    from attnlab.nn.loss import summed_cross_entropy, summed_kl_divergence
     from attnlab.train.grads import _total_norm
     from attnlab.train.memory import keep_freed_memory
 
@@ -76,6 +79,28 @@ def main() -> None:
     results["mlm_loss"] = {
         "attnlab_ms": median_ms(lambda: loss_step(summed_cross_entropy), args.repeats),
         "plain_ms": median_ms(lambda: loss_step(plain), args.repeats),
+        "relative_difference": float((ours - theirs).abs() / theirs.abs()),
+    }
+
+    teacher = torch.randn(598, 30522) * 3
+
+    def plain_kl(z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        log_q, log_p = F.log_softmax(z / 2.0, -1), F.log_softmax(t / 2.0, -1)
+        return F.kl_div(log_q, log_p, reduction="sum", log_target=True)
+
+    def blocked_kl(z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return summed_kl_divergence(z, t, 2.0)
+
+    def kl_step(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        z = logits.clone().requires_grad_()  # the student's fresh decoder output
+        loss = fn(z, teacher)
+        loss.backward()
+        return loss.detach()
+
+    ours, theirs = kl_step(blocked_kl), kl_step(plain_kl)
+    results["distill_kl"] = {
+        "attnlab_ms": median_ms(lambda: kl_step(blocked_kl), args.repeats),
+        "plain_ms": median_ms(lambda: kl_step(plain_kl), args.repeats),
         "relative_difference": float((ours - theirs).abs() / theirs.abs()),
     }
 

@@ -33,6 +33,11 @@ from attnlab.errors import AttnlabError
 _BLOCK_ELEMENTS = 1 << 18  # a block of rows in compute precision: 1 MB in fp32, cache-sized
 
 
+def _block_rows(vocab: int) -> int:
+    """Rows of a block: _BLOCK_ELEMENTS values of a vocabulary-wide row, at least one row."""
+    return max(1, _BLOCK_ELEMENTS // max(vocab, 1))
+
+
 def _widened(*tensors: Tensor) -> torch.dtype:
     """The dtype a loss computes in: the tensors' own, at least fp32 (fp64 stays fp64)."""
     dtype = torch.float32
@@ -45,7 +50,7 @@ class _SummedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, logits: Tensor, target: Tensor) -> Tensor:
         rows, vocab = logits.shape
-        block = max(1, _BLOCK_ELEMENTS // max(vocab, 1))
+        block = _block_rows(vocab)
         dtype = _widened(logits)
         lse = logits.new_empty(rows, dtype=dtype)
         for start in range(0, rows, block):  # widened a block at a time (bf16), in cache
@@ -94,7 +99,7 @@ def _log_softmax_blocks(
     Both are computed in fp32 at least, in two block-sized buffers that each block reuses.
     """
     rows, vocab = student.shape
-    block = max(1, _BLOCK_ELEMENTS // max(vocab, 1))
+    block = _block_rows(vocab)
     dtype = _widened(student, teacher)
     scaled, log_q, log_p = (
         student.new_empty((min(block, rows), vocab), dtype=dtype) for _ in range(3)
