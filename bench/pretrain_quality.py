@@ -51,7 +51,7 @@ def chinese_documents() -> list[list[str]]:
 
 def english_documents() -> list[list[str]]:
     """English text: tinyshakespeare speeches and WikiText-2 valid paragraphs, interleaved."""
-    from attnlab.text.pretraining import split_sentences
+    from attnlab.text.sentences import split_sentences
 
     with gzip.open(SHARED_DATA / "tinyshakespeare/input.txt.gz", "rt", encoding="utf-8") as f:
         play = [block.splitlines() for block in f.read().split("\n\n") if block.strip()]

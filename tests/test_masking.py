@@ -12,8 +12,9 @@ import torch
 from conftest import SHARED_DATA
 
 from attnlab.errors import AttnlabError
+from attnlab.text.corpus_cache import TokenizedCorpus
 from attnlab.text.masking import IGNORE_INDEX, MaskingCollator, mask_tokens, static_generator
-from attnlab.text.pretraining import Example, TokenizedCorpus
+from attnlab.text.pretraining import Example
 from attnlab.text.tokenizer import BertTokenizer
 
 torch.set_num_threads(1)

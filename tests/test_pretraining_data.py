@@ -17,14 +17,11 @@ import torch
 from conftest import SHARED_DATA
 
 from attnlab.errors import AttnlabError
-from attnlab.text import pretraining
-from attnlab.text.pretraining import (
-    Example,
-    ExampleBuilder,
-    TokenizedCorpus,
-    read_documents,
-    split_sentences,
-)
+from attnlab.text import chinese_words, corpus_cache, pretraining
+from attnlab.text import sentences as sentences_module
+from attnlab.text.corpus_cache import TokenizedCorpus
+from attnlab.text.pretraining import Example, ExampleBuilder
+from attnlab.text.sentences import read_documents, split_sentences
 from attnlab.text.tokenizer import SPECIAL_TOKENS, BertTokenizer, train_wordpiece
 
 torch.set_num_threads(1)
@@ -131,7 +128,7 @@ def test_a_line_split_in_pieces_gives_the_sentences_of_the_whole_line() -> None:
     for text in SPLIT_TEXTS:
         for size in range(1, len(text) + 2):
             pieces = [text[i : i + size] for i in range(0, len(text), size)] or [""]
-            splitter = pretraining._LineSplitter()
+            splitter = sentences_module._LineSplitter()
             got = [s for k, p in enumerate(pieces) for s in splitter.feed(p, k == len(pieces) - 1)]
             assert got == split_sentences(text), (text, size)
 
@@ -141,7 +138,7 @@ def test_a_sentence_longer_than_the_bound_is_cut_at_spaces(monkeypatch: pytest.M
     # took 5 GB to tokenize. Past _MAX_SENTENCE_CHARS it now comes out in pieces, cut after
     # a space (words whole) or, in text without spaces, at the bound; and whether the line
     # arrives whole or in pieces of any size, the text held between pieces stays bounded.
-    monkeypatch.setattr(pretraining, "_MAX_SENTENCE_CHARS", 10)
+    monkeypatch.setattr(sentences_module, "_MAX_SENTENCE_CHARS", 10)
     assert split_sentences("aaa bbb ccc ddd eee") == ["aaa bbb", "ccc ddd", "eee"]
     assert split_sentences("一二三四五六七八九十壹贰") == ["一二三四五六七八九十", "壹贰"]
     assert split_sentences("abcdefghijklmn op") == ["abcdefghij", "klmn op"]
@@ -151,7 +148,7 @@ def test_a_sentence_longer_than_the_bound_is_cut_at_spaces(monkeypatch: pytest.M
                      "words", "here and", "more"]  # fmt: skip
     for size in range(1, len(text) + 1):
         pieces = [text[i : i + size] for i in range(0, len(text), size)]
-        splitter, got = pretraining._LineSplitter(), []
+        splitter, got = sentences_module._LineSplitter(), []
         for k, piece in enumerate(pieces):
             got += splitter.feed(piece, k == len(pieces) - 1)
             assert len(splitter.text) <= 10 + size
@@ -168,7 +165,7 @@ def test_read_documents_reads_lines_in_pieces(
     whole = list(read_documents(path))
     assert whole == [["第一句。", "第二句！", "a.", "b"], ["line two 中文。」", "。", "x"],
                      ["last line.", "no newline"]]  # fmt: skip
-    monkeypatch.setattr(pretraining, "_PIECE_BYTES", 5)
+    monkeypatch.setattr(sentences_module, "_PIECE_BYTES", 5)
     assert list(read_documents(path)) == whole
     bad = tmp_path / "bad.txt"
     bad.write_bytes("第一行\n".encode() + b"0123456789 \xff byte\n")
@@ -201,8 +198,8 @@ def test_a_one_line_corpus_is_read_and_tokenized_in_bounded_memory(
     # A 50 MB corpus of one line (one document) took 1.93 GB to tokenize: the line, its
     # sentences and their encodings were held at once. Read in pieces and tokenized in
     # chunks, the text held at a time is bounded whatever the size of a line or document.
-    monkeypatch.setattr(pretraining, "_PIECE_BYTES", 4096)
-    monkeypatch.setattr(pretraining, "_CHUNK_SENTENCES", 64)
+    monkeypatch.setattr(sentences_module, "_PIECE_BYTES", 4096)
+    monkeypatch.setattr(corpus_cache, "_CHUNK_SENTENCES", 64)
     words = ["sentence", "of", "the", "one", "long", "line", ".", *"0123456789"]
     vocab = [*SPECIAL_TOKENS, *words, *(f"##{digit}" for digit in "0123456789")]
     tokenizer = BertTokenizer.from_vocab({token: i for i, token in enumerate(vocab)})
@@ -210,13 +207,13 @@ def test_a_one_line_corpus_is_read_and_tokenized_in_bounded_memory(
     path = tmp_path / "one-line.txt"
     path.write_text(" ".join(sentences) + "\n", encoding="utf-8")  # 1.4 MB
     sizes = []
-    real_encode = pretraining._encode_chunk
+    real_encode = corpus_cache._encode_chunk
 
     def encode(tokenizer: BertTokenizer, chunk: list[str]) -> list:
         sizes.append(len(chunk))
         return real_encode(tokenizer, chunk)
 
-    monkeypatch.setattr(pretraining, "_encode_chunk", encode)
+    monkeypatch.setattr(corpus_cache, "_encode_chunk", encode)
     corpus, peak = _build_measuring_memory(path, tokenizer, tmp_path / "cache")
     assert corpus.n_documents == 1 and corpus.n_sentences == len(sentences)
     assert max(sizes) == 64 and sum(sizes) == len(sentences)
@@ -231,8 +228,8 @@ def test_a_line_without_sentence_ends_is_tokenized_in_bounded_memory(
 ) -> None:
     # The same for a line with no sentence end (unpunctuated text, a dump): it was one
     # sentence, held and encoded whole (a 32 MB line: 5 GB and 33 s; now 82 MB and 6 s).
-    monkeypatch.setattr(pretraining, "_PIECE_BYTES", 4096)
-    monkeypatch.setattr(pretraining, "_CHUNK_CHARS", 16384)
+    monkeypatch.setattr(sentences_module, "_PIECE_BYTES", 4096)
+    monkeypatch.setattr(corpus_cache, "_CHUNK_CHARS", 16384)
     vocab = [*SPECIAL_TOKENS, *(f"w{i}" for i in range(10))]
     tokenizer = BertTokenizer.from_vocab({token: i for i, token in enumerate(vocab)})
     words = [f"w{i % 10}" for i in range(200_000)]
@@ -248,15 +245,15 @@ def test_a_line_without_sentence_ends_is_tokenized_in_bounded_memory(
 def test_chunks_are_bounded_in_characters_too(
     tmp_path: Path, minilm_tokenizer: BertTokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pretraining, "_CHUNK_CHARS", 250)
+    monkeypatch.setattr(corpus_cache, "_CHUNK_CHARS", 250)
     sizes = []
-    real_encode = pretraining._encode_chunk
+    real_encode = corpus_cache._encode_chunk
 
     def encode(tokenizer: BertTokenizer, chunk: list[str]) -> list:
         sizes.append(sum(map(len, chunk)))
         return real_encode(tokenizer, chunk)
 
-    monkeypatch.setattr(pretraining, "_encode_chunk", encode)
+    monkeypatch.setattr(corpus_cache, "_encode_chunk", encode)
     document = [" ".join(["word"] * 20) + "." for _ in range(10)]  # 100 characters each
     path = _write_blank_separated(tmp_path / "corpus.txt", [document, ["Another."]])
     corpus = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
@@ -315,25 +312,25 @@ def test_corpus_cache_is_reused_and_invalidated(
 ) -> None:
     path = _write_blank_separated(tmp_path / "corpus.txt", ENGLISH_DOCS)
     calls = Counter()
-    real_encode = pretraining._encode_chunk
+    real_encode = corpus_cache._encode_chunk
 
     def counting_encode(tokenizer, sentences):
         calls["encode"] += 1
         return real_encode(tokenizer, sentences)
 
-    monkeypatch.setattr(pretraining, "_encode_chunk", counting_encode)
+    monkeypatch.setattr(corpus_cache, "_encode_chunk", counting_encode)
     first = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
     assert calls["encode"] == 1
 
     def refuse(tokenizer, sentences):
         raise AssertionError("the cached corpus should not be tokenized again")
 
-    monkeypatch.setattr(pretraining, "_encode_chunk", refuse)
+    monkeypatch.setattr(corpus_cache, "_encode_chunk", refuse)
     again = TokenizedCorpus.build([str(path)], minilm_tokenizer, tmp_path / "cache")
     assert again.directory == first.directory
     assert not list((tmp_path / "cache").glob(".*.tmp"))  # no scratch directory left behind
 
-    monkeypatch.setattr(pretraining, "_encode_chunk", counting_encode)
+    monkeypatch.setattr(corpus_cache, "_encode_chunk", counting_encode)
     with path.open("a", encoding="utf-8") as handle:
         handle.write("\nA fourth document appears.\n")
     changed = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
@@ -377,7 +374,7 @@ def test_corpus_streams_in_chunks(
     tmp_path: Path, minilm_tokenizer: BertTokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Documents straddle chunk boundaries and empty-token sentences are dropped.
-    monkeypatch.setattr(pretraining, "_CHUNK_SENTENCES", 4)
+    monkeypatch.setattr(corpus_cache, "_CHUNK_SENTENCES", 4)
     documents = [[f"doc {d} sentence {s}." for s in range(d % 5 + 1)] for d in range(17)]
     documents[3] = ["\u200b"]  # tokenizes to nothing: the whole document disappears
     documents[4].insert(0, "\x00")
@@ -423,10 +420,10 @@ def test_a_damaged_corpus_cache_is_built_again(
 ) -> None:
     # Right sizes, wrong bytes: before, examples were built from such a cache and training
     # failed mid-run (an IndexError, or an embedding lookup out of range).
-    monkeypatch.setattr(pretraining, "_VERIFY_CHUNK", 3)  # the checks cross chunk edges
+    monkeypatch.setattr(corpus_cache, "_VERIFY_CHUNK", 3)  # the checks cross chunk edges
     path = _write_blank_separated(tmp_path / "corpus.txt", ENGLISH_DOCS)
     corpus = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
-    sound = {name: np.array(getattr(corpus, name)) for name in pretraining._ARRAYS}
+    sound = {name: np.array(getattr(corpus, name)) for name in corpus_cache._ARRAYS}
     again = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
     assert again.directory == corpus.directory and capsys.readouterr().err == ""  # reused
     if damage == "lengths-list":
@@ -435,7 +432,7 @@ def test_a_damaged_corpus_cache_is_built_again(
         (corpus.directory / "meta.json").unlink()
     else:
         array, index, value = damage
-        data = np.fromfile(corpus.directory / f"{array}.bin", dtype=pretraining._ARRAYS[array])
+        data = np.fromfile(corpus.directory / f"{array}.bin", dtype=corpus_cache._ARRAYS[array])
         data[index] = value
         data.tofile(corpus.directory / f"{array}.bin")
     rebuilt = TokenizedCorpus.build([path], minilm_tokenizer, tmp_path / "cache")
@@ -511,7 +508,7 @@ def test_only_caches_that_can_never_be_served_are_removed(
     cache = tmp_path / "cache"
     other = _write_blank_separated(tmp_path / "other.txt", ENGLISH_DOCS[:2])
     other_cache = TokenizedCorpus.build([other], minilm_tokenizer, cache).directory
-    key = pretraining._file_key(other.resolve())
+    key = corpus_cache._file_key(other.resolve())
 
     def folder(name: str, meta: object, root: Path = cache) -> Path:
         (root / name).mkdir()
@@ -568,7 +565,7 @@ def test_a_cache_that_cannot_be_removed_does_not_stop_the_run(
             raise PermissionError(13, "Permission denied", str(source))
         real_rename(source, destination)
 
-    monkeypatch.setattr(pretraining.os, "rename", refused)
+    monkeypatch.setattr(corpus_cache.os, "rename", refused)
     path = _write_blank_separated(tmp_path / "corpus.txt", ENGLISH_DOCS)
     assert TokenizedCorpus.build([path], minilm_tokenizer, cache).n_documents == 3
     assert stale.is_dir() and capsys.readouterr().err == ""
@@ -588,7 +585,7 @@ def test_a_cache_that_cannot_be_written_says_where(
     def full_disk(*args: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(pretraining, "_write_corpus", full_disk)
+    monkeypatch.setattr(corpus_cache, "_write_corpus", full_disk)
     cache = tmp_path / "cache"
     with pytest.raises(OSError) as caught:
         TokenizedCorpus.build([path], minilm_tokenizer, cache)
@@ -876,9 +873,9 @@ def _synthetic_corpus(directory: Path, sentences_per_document: list[int]) -> Tok
     }
     directory.mkdir()
     for name, values in arrays.items():
-        values.astype(pretraining._ARRAYS[name]).tofile(directory / f"{name}.bin")
+        values.astype(corpus_cache._ARRAYS[name]).tofile(directory / f"{name}.bin")
     lengths = {name: len(values) for name, values in arrays.items()}
-    meta = {"format": pretraining._CACHE_FORMAT, "lengths": lengths}
+    meta = {"format": corpus_cache._CACHE_FORMAT, "lengths": lengths}
     (directory / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
     return TokenizedCorpus.open(directory)
 
@@ -956,7 +953,7 @@ def test_chinese_corpus_with_jieba_word_starts(tmp_path: Path) -> None:
             assert corpus.sentence(sentence).tolist() == encoding.ids
             jieba_starts = {start for _, start, _ in jieba.tokenize(text)}
             for flag, (begin, _) in zip(starts, encoding.offsets, strict=True):
-                if pretraining._is_cjk(text[begin]):
+                if chinese_words._is_cjk(text[begin]):
                     assert flag == (begin in jieba_starts)
             checked_multi_char_words += sum(len(w) > 1 for w, _, _ in jieba.tokenize(text))
             sentence += 1
@@ -1017,4 +1014,4 @@ def test_the_ideograph_pattern_is_is_cjk() -> None:
     codes = {c + d for c in edges for d in (-1, 0, 1)} | set(range(0x3000, 0x3500))
     for code in sorted(codes):
         char = chr(code)
-        assert bool(pretraining._IDEOGRAPH.match(char)) == pretraining._is_cjk(char), hex(code)
+        assert bool(chinese_words._IDEOGRAPH.match(char)) == chinese_words._is_cjk(char), hex(code)
