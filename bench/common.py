@@ -1,4 +1,5 @@
-"""Shared benchmark helpers: the machine's measured matmul peak, timing, data loading."""
+"""Shared benchmark helpers: the machine's measured matmul peak, timing, data loading, and the
+pretraining step timed against HF's (a synthetic masked batch, the trainer's step)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TypeVar
 
@@ -71,6 +73,55 @@ def peak_dtype(precision: str) -> torch.dtype:
     from attnlab.cpu import fast_bf16_matmul
 
     return torch.bfloat16 if precision == "bf16" and fast_bf16_matmul() else torch.float32
+
+
+def synthetic_batch(
+    vocab_size: int, batch_size: int, seq_len: int, mask_prob: float = 0.15, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random token ids as a masked pretraining batch ([CLS]/[SEP] at the ends, 15% labelled)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab_size, (batch_size, seq_len), generator=g)
+    ids[:, 0], ids[:, -1] = 2, 3
+    labels = torch.full_like(ids, -100)
+    chosen = torch.rand(batch_size, seq_len, generator=g) < mask_prob
+    chosen[:, 0] = chosen[:, -1] = False
+    labels[chosen] = ids[chosen]
+    ids[chosen] = 4
+    types = torch.zeros_like(ids)
+    types[:, seq_len // 2 :] = 1
+    return {
+        "input_ids": ids,
+        "token_type_ids": types,
+        "mlm_labels": labels,
+        "nsp_labels": torch.randint(0, 2, (batch_size,), generator=g),
+    }
+
+
+def training_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    precision: str = "fp32",
+    keep_grads: bool = True,
+) -> Callable[[dict[str, torch.Tensor]], float]:
+    """The trainer's step (forward, backward, clip to 1.0, AdamW step) as a function of a batch.
+
+    As in the trainer, on CPU the large embeddings' gradients avoid a fresh buffer each step
+    (``train/grads.py: kept_embedding_grads``) unless ``keep_grads`` is False (as under compile).
+    """
+    from attnlab.train.grads import clipped_step, kept_embedding_grads
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+    kept = kept_embedding_grads(model) if keep_grads else None
+
+    def step(batch: dict[str, torch.Tensor]) -> float:
+        with autocast, kept or nullcontext():  # the lookups' kind is fixed in the forward pass
+            loss = model(**batch)["loss"]
+        loss.backward()
+        clipped_step(optimizer, model.parameters(), 1.0, kept)
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
 
 
 def best_time(fn: Callable[[], T], repeats: int) -> tuple[float, T]:

@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine
+from common import machine, synthetic_batch, training_step
 
 
 def main() -> None:
@@ -42,7 +42,6 @@ def main() -> None:
     from attnlab.config import BertConfig
     from attnlab.models.bert import BertForPreTraining
     from attnlab.tasks.distill import DistillationModel, student_from_teacher
-    from attnlab.tasks.pretrain import synthetic_batch, training_step
     from attnlab.train.memory import keep_freed_memory
     from attnlab.train.optim import build_optimizer
 

@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine, matmul_peak_flops, peak_dtype
+from common import machine, matmul_peak_flops, peak_dtype, synthetic_batch
 from pretrain import MASK_RATE, attnlab_step, step_flops
 
 aten = torch.ops.aten
@@ -134,7 +134,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from attnlab.config import BertConfig
-    from attnlab.tasks.pretrain import synthetic_batch
     from attnlab.train.memory import keep_freed_memory
 
     keep_freed_memory()  # as the trainer does

@@ -48,7 +48,16 @@ from contextlib import nullcontext
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import MALLOC_HELP, layer_flops, machine, matmul_peak_flops, peak_dtype, set_malloc
+from common import (
+    MALLOC_HELP,
+    layer_flops,
+    machine,
+    matmul_peak_flops,
+    peak_dtype,
+    set_malloc,
+    synthetic_batch,
+    training_step,
+)
 
 MASK_RATE = 0.15
 
@@ -81,7 +90,6 @@ def time_steps(step, steps: int) -> float:
 def attnlab_step(config, data, precision: str):
     """attnlab's training step (the trainer's: forward, backward, clip, AdamW) on one batch."""
     from attnlab.models.bert import BertForPreTraining
-    from attnlab.tasks.pretrain import training_step
     from attnlab.train.optim import build_optimizer
 
     model = BertForPreTraining(config).train()
@@ -152,7 +160,6 @@ def main() -> None:
 
     from attnlab.config import BertConfig
     from attnlab.cpu import fast_bf16_matmul
-    from attnlab.tasks.pretrain import synthetic_batch
 
     config = BertConfig.preset(args.preset)
     data = synthetic_batch(config.vocab_size, args.batch_size, args.seq_len, MASK_RATE)

@@ -23,8 +23,19 @@ from attnlab.cli import main
 from attnlab.train import read_rows
 
 RUNNER = Path(__file__).parent / "_pretrain_run.py"
+BENCH_COMMON = Path(__file__).parents[1] / "bench" / "common.py"
 SHAPE = ["--preset", "bert-tiny", "--batch-size", "8", "--seq-len", "32"]  # for --tokenizer runs
 TINY = [*SHAPE, "--vocab-size", "400"]
+
+
+def _bench_common():
+    """bench/common.py, the benchmarks' helpers (the synthetic pretraining batch)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_common", BENCH_COMMON)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +142,7 @@ def test_a_second_run_training_its_vocabulary_reuses_the_corpus_cache(
     # Each run trained another vocabulary (HF tokenizers broke ties in hash-map order), so
     # the cache key changed and the corpus was tokenized again: on zh-corpus reviews two
     # identical runs left two caches and vocabularies of 6,425 and 6,427 tokens.
-    from attnlab.text import pretraining
+    from attnlab.text import corpus_cache
 
     args = ["pretrain", "--corpus", str(corpus), *SHAPE, "--steps", "1"]
     args += ["--cache-dir", str(tmp_path / "cache")]
@@ -140,7 +151,7 @@ def test_a_second_run_training_its_vocabulary_reuses_the_corpus_cache(
     def refuse(tokenizer, sentences):
         raise AssertionError("the second run tokenized the corpus again")
 
-    monkeypatch.setattr(pretraining, "_encode_chunk", refuse)
+    monkeypatch.setattr(corpus_cache, "_encode_chunk", refuse)
     assert main([*args, "--out", str(tmp_path / "second")]) == 0
     assert len(list((tmp_path / "cache").iterdir())) == 1
     vocab = [(tmp_path / run / "vocab.txt").read_bytes() for run in ("first", "second")]
@@ -323,10 +334,10 @@ def test_a_batch_ranks_cannot_split_is_refused_before_overwrite_clears_out(
 ):
     # Before: under torchrun, --overwrite deleted the old run (leaving only a new tokenizer/)
     # and only then did the trainer refuse a --batch-size the processes cannot split.
-    import attnlab.tasks.pretrain
+    import attnlab.tasks.job
     import attnlab.train.trainer
 
-    for module in (attnlab.tasks.pretrain, attnlab.train.trainer):  # rank 0 of 2
+    for module in (attnlab.tasks.job, attnlab.train.trainer):  # rank 0 of 2
         monkeypatch.setattr(module, "init_distributed", lambda: (0, 2, 0))
     out = tmp_path / "run"
     out.mkdir()
@@ -388,13 +399,6 @@ def test_compile_flag_reaches_the_trainer_config(tmp_path):
         assert opts.compile and trainer_config(opts, warmup_divisor=10).compile
         plain = options_from(cls, build_parser().parse_args(argv[:3] + extra), ("out",), ("out",))
         assert not plain.compile
-
-
-def test_bench_pretrain_prints_one_json_line(capsys):
-    assert main(["bench", "pretrain", "--preset", "bert-tiny", "--batch-size", "2",
-                 "--seq-len", "16", "--steps", "1"]) == 0  # fmt: skip
-    result = json.loads(capsys.readouterr().out)
-    assert result["tokens_per_s"] > 0 and result["preset"] == "bert-tiny"
 
 
 def _error(args: list[str], capsys) -> str:
@@ -550,7 +554,8 @@ def test_compiled_pretraining_step_equals_eager_with_dropout() -> None:
     # inductor's C++ code generation takes 50).
     from attnlab.config import BertConfig
     from attnlab.models.bert import BertForPreTraining
-    from attnlab.tasks.pretrain import synthetic_batch
+
+    synthetic_batch = _bench_common().synthetic_batch
 
     torch.manual_seed(0)
     config = BertConfig(vocab_size=120, d_model=32, n_layers=1, n_heads=2, d_ff=64, dropout=0.1)
@@ -585,7 +590,8 @@ def test_bf16_pretraining_by_the_fp32_kernel_equals_autocasts_own(monkeypatch) -
     import attnlab.nn.linear as linear_module
     from attnlab.config import BertConfig
     from attnlab.models.bert import BertForPreTraining
-    from attnlab.tasks.pretrain import synthetic_batch
+
+    synthetic_batch = _bench_common().synthetic_batch
 
     torch.manual_seed(0)
     config = BertConfig(vocab_size=300, d_model=64, n_layers=2, n_heads=4, d_ff=128, dropout=0.1)
@@ -825,8 +831,6 @@ def test_config_file_nulls_threads_formats_and_its_place(corpus, tmp_path, capsy
     message = _error(["pretrain", "--config", str(run / "run.toml"), "--out", str(run),
                       "--overwrite"], capsys)  # fmt: skip
     assert "holds the input" in message and (run / "run.toml").is_file()
-    assert "--seq-len >= 8" in _error(["bench", "pretrain", "--preset", "bert-tiny",
-                                        "--seq-len", "3"], capsys)  # fmt: skip
 
 
 def test_init_with_shape_flags_is_refused_not_ignored(corpus, tmp_path, capsys):

@@ -463,16 +463,6 @@ def cmd_predict(args: argparse.Namespace) -> None:
     _say(f"wrote predictions for {n} example(s) to {args.output}")
 
 
-def cmd_bench_pretrain(args: argparse.Namespace) -> None:
-    """Time training steps of a preset on synthetic data; one JSON line."""
-    from attnlab.tasks.pretrain import bench_pretraining
-
-    result = bench_pretraining(
-        args.preset, args.batch_size, args.seq_len, args.steps, args.precision, args.compile
-    )
-    print(json.dumps(result))
-
-
 class _TranslateOption(argparse.Action):
     """An option of `translate` itself, noted when given: argparse gives `train` and `score`
     their own defaults over the options before them, so there it is refused, not dropped."""
@@ -862,18 +852,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_translate_commands(commands)
 
-    bench = commands.add_parser("bench", help="speed measurements")
-    bench_commands = bench.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
-    sub = bench_commands.add_parser("pretrain", help="time pretraining steps on synthetic data")
-    sub.set_defaults(func=cmd_bench_pretrain)
-    sub.add_argument("--threads", type=int)
-    sub.add_argument("--preset", default="bert-small")
-    sub.add_argument("--batch-size", type=int, default=32)
-    sub.add_argument("--seq-len", type=int, default=128)
-    sub.add_argument("--steps", type=int, default=10)
-    sub.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    sub.add_argument("--compile", action="store_true", help="torch.compile the model first")
-
     tok = commands.add_parser("tokenizer", help="tokenizer tools")
     tok_commands = tok.add_subparsers(dest="tokenizer_command", required=True, parser_class=_Parser)
     sub = tok_commands.add_parser("train", help="train a WordPiece or BPE vocabulary")
@@ -891,7 +869,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--cased", action="store_true", help="wordpiece: keep case and accents")
     sub.add_argument("--out", required=True)
     sub.add_argument("--overwrite", action="store_true")
-    for group in (commands, bench_commands, tok_commands):
+    for group in (commands, tok_commands):
         # A missing command is named by its choices, as usage shows them, not by its dest
         group.metavar = "{" + ",".join(group.choices) + "}"
     return parser

@@ -32,20 +32,21 @@ from attnlab.errors import AttnlabError
 from attnlab.interop.hf import check_vocabulary, load_bert, read_config
 from attnlab.io import check_input_file, check_out_location, clear_dir, resolved_path
 from attnlab.models.bert import BertForPreTraining, count_parameters
-from attnlab.nn.loss import summed_cross_entropy, summed_kl_divergence
+from attnlab.nn.loss import SummedKLDivergence
+from attnlab.tasks.job import Job, run_job
 from attnlab.tasks.pretrain import (
+    PretrainingData,
     PretrainOptions,
     bundled_corpus,
     check_out_dir,
     check_upper_bounds,
-    finish,
     prepare_data,
+    publish_bert,
     trainer_config,
 )
 from attnlab.text.tokenizer import BertTokenizer
 from attnlab.train.config import RunOptions
-from attnlab.train.distributed import barrier, init_distributed, raise_together
-from attnlab.train.trainer import Evaluate, Trainer, hold_run_out
+from attnlab.train.trainer import Evaluate, TrainConfig, Trainer
 
 _LAYER = re.compile(r"^bert\.encoder\.layers\.(\d+)\.(.+)$")
 
@@ -123,13 +124,14 @@ def soft_target_loss(
     teacher_logits: Tensor,
     temperature: float,
     normalizer: Tensor | float | None = None,
+    kl_divergence: nn.Module | None = None,
 ) -> Tensor:
     """T^2 * KL(softmax(teacher/T) || softmax(student/T)), summed over rows / normalizer (default: rows).
 
     Logits are (n, vocab). The T^2 factor (Hinton et al. 2015, section 2) keeps the soft
     targets' gradients, which shrink as 1/T^2, on the scale of the hard-label loss.
     """
-    kl = summed_kl_divergence(student_logits, teacher_logits, temperature)
+    kl = (kl_divergence or SummedKLDivergence())(student_logits, teacher_logits, temperature)
     divisor = max(student_logits.shape[0], 1) if normalizer is None else normalizer
     # A product, not **2: past T = 1.3e154 Python's ** raises OverflowError, where the product
     # is inf and the loss diverges (a null loss), as it does once T^2 overflows float32.
@@ -176,6 +178,7 @@ class DistillationModel(nn.Module):
         if temperature <= 0:
             raise AttnlabError(f"--temperature must be positive, got {temperature}")
         self.student = student
+        self.kl_divergence = SummedKLDivergence()  # a module: the job swaps in its fast twin
         object.__setattr__(self, "teacher", teacher.eval().requires_grad_(False))
         self.temperature = temperature
         self.alpha_ce, self.alpha_mlm, self.alpha_cos = alpha_ce, alpha_mlm, alpha_cos
@@ -215,8 +218,9 @@ class DistillationModel(nn.Module):
             teacher_logits = self.teacher.mlm(teacher_hidden[masked])
         hidden = self.student.bert(input_ids, attention_mask, token_type_ids).last_hidden_state
         logits = self.student.mlm(hidden[masked])  # (n_masked, vocab): the sparse MLM head
-        soft = soft_target_loss(logits, teacher_logits, self.temperature, divisor)
-        mlm = summed_cross_entropy(logits, mlm_labels[masked]) / divisor
+        kl_divergence = self.kl_divergence
+        soft = soft_target_loss(logits, teacher_logits, self.temperature, divisor, kl_divergence)
+        mlm = self.student.mlm_loss(logits, mlm_labels[masked]) / divisor
         loss = self.alpha_ce * soft + self.alpha_mlm * mlm
         out = {"distill_loss": soft, "mlm_loss": mlm}
         if self.same_width:
@@ -371,54 +375,90 @@ def _load_teacher(opts: DistillOptions) -> tuple[BertForPreTraining, BertTokeniz
     return teacher, tokenizer
 
 
+def _distillation_model(opts: DistillOptions) -> tuple[DistillationModel, BertTokenizer]:
+    """The frozen teacher and its student under the loss weights of opts; the teacher's tokenizer."""
+    teacher, tokenizer = _load_teacher(opts)
+    torch.manual_seed(opts.seed)  # a preset student's fresh weights are part of the run
+    student = student_from_teacher(teacher, opts.student_layers, opts.student_preset)
+    same_width = teacher.config.d_model == student.config.d_model
+    alpha_cos = opts.alpha_cos if opts.alpha_cos is not None else float(same_width)
+    if opts.alpha_ce == opts.alpha_mlm == alpha_cos == 0:
+        raise AttnlabError("--alpha-ce, --alpha-mlm and --alpha-cos are all 0: nothing to learn")
+    model = DistillationModel(
+        teacher, student, opts.temperature, opts.alpha_ce, opts.alpha_mlm, alpha_cos
+    )
+    return model, tokenizer
+
+
+@dataclass
+class DistillJob(Job):
+    """A distillation run's steps, in the order ``run_job`` calls them (tasks/job.py).
+
+    The data are pretraining's (MLM-only examples); nothing is written before ``fit()`` but
+    the clearing of an overwritten run.
+    """
+
+    opts: DistillOptions
+    files: list[Path]
+    config: TrainConfig
+    model: DistillationModel = field(init=False)
+    tokenizer: BertTokenizer = field(init=False)
+    data: PretrainingData = field(init=False)
+    agreement_before: dict[str, Any] = field(default_factory=dict)  # step 0's eval row
+
+    @property
+    def out(self) -> Path:
+        """The run's --out."""
+        return self.opts.out
+
+    def check_out(self) -> None:
+        """Refuse an --out that holds files or another run, unless resuming or overwriting."""
+        check_out_dir(self.opts.pretraining())
+
+    def prepare(self, world_size: int) -> None:
+        """Load the teacher, build the student, tokenize (filling the cache) and check the data."""
+        self.follow()
+        self.data.batches.set_rank(0, world_size)  # refused before --overwrite clears --out
+
+    def start_out(self) -> None:
+        """Clear an overwritten run as a whole, before anything is written."""
+        if self.opts.overwrite:
+            clear_dir(self.opts.out)
+
+    def follow(self) -> None:
+        """The teacher, the student and the data (the cache rank 0 filled)."""
+        self.model, self.tokenizer = _distillation_model(self.opts)
+        self.data = prepare_data(self.opts.pretraining(), self.files, self.tokenizer)
+
+    def trainer(self) -> Trainer:
+        """The shared trainer on pretraining's batches, scoring the student's agreement too."""
+        held_out = self.data.evaluate
+        evaluate = distillation_evaluation(held_out) if held_out is not None else None
+        return Trainer(self.model, self.data.batches, self.config, evaluate)  # moves the teacher
+
+    def publish(self, trainer: Trainer, summary: dict[str, Any]) -> dict[str, Any]:
+        """The student in --out, an HF BertForMaskedLM checkpoint with the teacher's tokenizer."""
+        rows = trainer.log.rows
+        self.agreement_before = next(
+            (row for row in rows if row.get("eval") and row["step"] == 0), {}
+        )
+        publish_bert(self.model.student, self.tokenizer, self.opts.out)
+        return summary
+
+
 def distill(opts: DistillOptions) -> dict[str, Any]:
     """Distil (or resume distilling) a student from opts.teacher; the trainer's summary and agreement."""
     opts.validate()
     files = [Path(f) for f in opts.corpus] or [bundled_corpus()]
     for file in files:
         check_input_file(file, "corpus file")
-    data_opts = opts.pretraining()
     if opts.overwrite:  # --overwrite replaces --out as a whole: the teacher must not be in it
         check_out_location(opts.out, [opts.teacher])
-    rank, world_size, _ = init_distributed()
-    with hold_run_out(opts.out, rank):  # no other run writes to --out until this one ends
-        check_out_dir(data_opts)  # on every rank, before any rank writes
-        teacher, tokenizer = _load_teacher(opts)
-        torch.manual_seed(opts.seed)  # a preset student's fresh weights are part of the run
-        student = student_from_teacher(teacher, opts.student_layers, opts.student_preset)
-        same_width = teacher.config.d_model == student.config.d_model
-        alpha_cos = opts.alpha_cos if opts.alpha_cos is not None else float(same_width)
-        if opts.alpha_ce == opts.alpha_mlm == alpha_cos == 0:
-            raise AttnlabError(
-                "--alpha-ce, --alpha-mlm and --alpha-cos are all 0: nothing to learn"
-            )
-        model = DistillationModel(
-            teacher, student, opts.temperature, opts.alpha_ce, opts.alpha_mlm, alpha_cos
-        )
-        # DistilBERT's 5% warm-up; the student as initialised is scored too (step 0's eval row)
-        config = replace(trainer_config(opts, warmup_divisor=20), eval_at_start=True)
-        # As in pretrain(): rank 0 tokenizes (filling the cache) and checks the data first, and
-        # shares a failure so no rank waits at a barrier. Nothing is written before fit().
-        failure: AttnlabError | None = None
-        if rank == 0:
-            try:
-                job = prepare_data(data_opts, files, tokenizer)
-                # its split is refused before --overwrite clears --out
-                job.batches.set_rank(rank, world_size)
-            except AttnlabError as err:
-                failure = err
-        raise_together(failure)
-        if rank != 0:
-            job = prepare_data(data_opts, files, tokenizer)
-        evaluate = distillation_evaluation(job.evaluate) if job.evaluate is not None else None
-        if rank == 0 and opts.overwrite:  # the old run goes as a whole, before anything is written
-            clear_dir(opts.out)
-        barrier()
-        trainer = Trainer(model, job.batches, config, evaluate)  # moves model (and teacher)
-        summary = trainer.fit()
-        rows = trainer.log.rows if rank == 0 else []
-        before = next((row for row in rows if row.get("eval") and row["step"] == 0), {})
-        finish(student, tokenizer, opts.out, rank)
+    # DistilBERT's 5% warm-up; the student as initialised is scored too (step 0's eval row)
+    config = replace(trainer_config(opts, warmup_divisor=20), eval_at_start=True)
+    job = DistillJob(opts, files, config)
+    summary = run_job(job)
+    before, teacher, student = job.agreement_before, job.model.teacher, job.model.student
     return {
         **summary,
         "agreement_before": before.get("eval_fill_mask_agreement"),
@@ -428,5 +468,5 @@ def distill(opts: DistillOptions) -> dict[str, Any]:
         "teacher_parameters": count_parameters(teacher),
         "student_parameters": count_parameters(student),
         "student_layers": student.config.n_layers,
-        "alpha_cos": alpha_cos,
+        "alpha_cos": job.model.alpha_cos,
     }

@@ -13,9 +13,7 @@ import itertools
 import os
 import shutil
 import sys
-import time
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -31,25 +29,18 @@ from attnlab.io import check_input_file, clear_dir, contents
 from attnlab.models.bert import BertForPreTraining
 from attnlab.nn.dropout import eval_mode
 from attnlab.nn.packed import packed_linears
+from attnlab.tasks.job import Job, publish, run_job
+from attnlab.text.corpus_cache import TokenizedCorpus
 from attnlab.text.masking import MaskingCollator, static_generator
-from attnlab.text.pretraining import OBJECTIVES, Example, ExampleBuilder, TokenizedCorpus
+from attnlab.text.pretraining import OBJECTIVES, Example, ExampleBuilder
 from attnlab.text.tokenizer import BertTokenizer, train_wordpiece
 from attnlab.train.config import RunOptions
 from attnlab.train.data import Batch
-from attnlab.train.distributed import (
-    barrier,
-    init_distributed,
-    raise_together,
-    shutdown_distributed,
-)
-from attnlab.train.grads import clipped_step, kept_embedding_grads
-from attnlab.train.memory import keep_freed_memory
 from attnlab.train.trainer import (
     TrainConfig,
     Trainer,
     check_run_out,
     has_checkpoint,
-    hold_run_out,
     holds_run,
 )
 
@@ -455,6 +446,56 @@ def prepare_data(
     return PretrainingData(batches, evaluate)
 
 
+@dataclass
+class PretrainJob(Job):
+    """A pretraining run's steps, in the order ``run_job`` calls them (tasks/job.py)."""
+
+    opts: PretrainOptions
+    files: list[Path]
+    config: TrainConfig
+    tokenizer: BertTokenizer = field(init=False)
+    data: PretrainingData = field(init=False)
+    model: BertForPreTraining = field(init=False)
+
+    @property
+    def out(self) -> Path:
+        """The run's --out."""
+        return self.opts.out
+
+    def check_out(self) -> None:
+        """Refuse an --out that holds files or another run, unless resuming or overwriting."""
+        check_out_dir(self.opts)
+
+    def prepare(self, world_size: int) -> None:
+        """Make the vocabulary, tokenize and check the data, build the model (rank 0)."""
+        self.tokenizer = run_tokenizer(self.opts, self.files)
+        self._build()
+        self.data.batches.set_rank(0, world_size)  # refused before --overwrite clears --out
+
+    def start_out(self) -> None:
+        """Clear an overwritten run and save the vocabulary the other ranks read."""
+        _save_tokenizer(self.opts, self.tokenizer)
+
+    def follow(self) -> None:
+        """The same data and initial model from rank 0's vocabulary."""
+        self.tokenizer = BertTokenizer.from_dir(self.opts.out / TOKENIZER_DIR)
+        self._build()
+
+    def _build(self) -> None:
+        self.data = prepare_data(self.opts, self.files, self.tokenizer)
+        torch.manual_seed(self.opts.seed)  # the initial weights are part of the run
+        self.model = build_model(self.opts, self.tokenizer)
+
+    def trainer(self) -> Trainer:
+        """The shared trainer on the masked batches, scoring the held-out examples."""
+        return Trainer(self.model, self.data.batches, self.config, self.data.evaluate)
+
+    def publish(self, trainer: Trainer, summary: dict[str, Any]) -> dict[str, Any]:
+        """The trained model in --out, an HF checkpoint with its tokenizer."""
+        publish_bert(self.model, self.tokenizer, self.opts.out)
+        return summary
+
+
 def pretrain(opts: PretrainOptions) -> dict[str, Any]:
     """Run (or resume) a pretraining job; returns the trainer's summary."""
     opts.validate()
@@ -462,34 +503,7 @@ def pretrain(opts: PretrainOptions) -> dict[str, Any]:
     files = [Path(f) for f in opts.corpus] or [bundled_corpus()]
     for file in files:
         check_input_file(file, "corpus file")
-    rank, world_size, _ = init_distributed()
-    with hold_run_out(opts.out, rank):  # no other run writes to --out until this one ends
-        check_out_dir(opts)  # on every rank, before any rank writes
-        # Rank 0 makes the vocabulary, tokenizes and checks everything; only then is anything
-        # written to --out. A failure is shared with every rank, so none waits at a barrier.
-        failure: AttnlabError | None = None
-        if rank == 0:
-            try:
-                tokenizer = run_tokenizer(opts, files)
-                data = prepare_data(opts, files, tokenizer)
-                # its split is refused before --overwrite clears --out
-                data.batches.set_rank(rank, world_size)
-                torch.manual_seed(opts.seed)  # the initial weights are part of the run
-                model = build_model(opts, tokenizer)
-            except AttnlabError as err:
-                failure = err
-        raise_together(failure)
-        if rank == 0:
-            _save_tokenizer(opts, tokenizer)
-        barrier()
-        if rank != 0:
-            tokenizer = BertTokenizer.from_dir(opts.out / TOKENIZER_DIR)
-            data = prepare_data(opts, files, tokenizer)
-            torch.manual_seed(opts.seed)
-            model = build_model(opts, tokenizer)
-        summary = Trainer(model, data.batches, config, data.evaluate).fit()
-        finish(model, tokenizer, opts.out, rank)
-    return summary
+    return run_job(PretrainJob(opts, files, config))
 
 
 def trainer_config(opts: Any, warmup_divisor: int) -> TrainConfig:
@@ -523,118 +537,10 @@ def trainer_config(opts: Any, warmup_divisor: int) -> TrainConfig:
     )
 
 
-def finish(model: BertForPreTraining, tokenizer: BertTokenizer, out: Path, rank: int) -> None:
-    """Rank 0 publishes the trained model in out/ (HF layout); every rank leaves the group."""
-    if rank == 0:
-        save_bert(model.eval(), out / "final.tmp", tokenizer, overwrite=True)
-        publish(out / "final.tmp", out)
-    barrier()
-    shutdown_distributed()
-
-
-def publish(stage: Path, out: Path) -> None:
-    """Move a saved model's files from stage into out (each an atomic rename)."""
-    # The finished model's files replace any earlier ones in out/, each by an atomic rename,
-    # so out/ is an HF checkpoint directory (config.json, model.safetensors, vocab files).
-    for item in stage.iterdir():
-        os.replace(item, out / item.name)
-    stage.rmdir()
-
-
-# ---------------------------------------------------------------------------- speed
-
-
-def synthetic_batch(
-    vocab_size: int, batch_size: int, seq_len: int, mask_prob: float = 0.15, seed: int = 0
-) -> dict[str, torch.Tensor]:
-    """Random token ids as a masked pretraining batch ([CLS]/[SEP] at the ends, 15% labelled)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, vocab_size, (batch_size, seq_len), generator=g)
-    ids[:, 0], ids[:, -1] = 2, 3
-    labels = torch.full_like(ids, -100)
-    chosen = torch.rand(batch_size, seq_len, generator=g) < mask_prob
-    chosen[:, 0] = chosen[:, -1] = False
-    labels[chosen] = ids[chosen]
-    ids[chosen] = 4
-    types = torch.zeros_like(ids)
-    types[:, seq_len // 2 :] = 1
-    return {
-        "input_ids": ids,
-        "token_type_ids": types,
-        "mlm_labels": labels,
-        "nsp_labels": torch.randint(0, 2, (batch_size,), generator=g),
-    }
-
-
-def training_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    precision: str = "fp32",
-    keep_grads: bool = True,
-) -> Callable[[dict[str, torch.Tensor]], float]:
-    """The trainer's step (forward, backward, clip to 1.0, AdamW step) as a function of a batch.
-
-    As in the trainer, on CPU the large embeddings' gradients avoid a fresh buffer each step
-    (``train/grads.py: kept_embedding_grads``) unless ``keep_grads`` is False (as under compile).
-    """
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
-    kept = kept_embedding_grads(model) if keep_grads else None
-
-    def step(batch: dict[str, torch.Tensor]) -> float:
-        with autocast, kept or nullcontext():  # the lookups' kind is fixed in the forward pass
-            loss = model(**batch)["loss"]
-        loss.backward()
-        clipped_step(optimizer, model.parameters(), 1.0, kept)
-        optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    return step
-
-
-def bench_pretraining(
-    preset: str,
-    batch_size: int,
-    seq_len: int,
-    steps: int,
-    precision: str = "fp32",
-    compile: bool = False,
-) -> dict[str, Any]:
-    """Time `steps` training steps of a preset on synthetic data (after 2 warm-up steps)."""
-    from attnlab.train.optim import build_optimizer
-
-    if not (steps >= 1 and 1 <= batch_size <= MAX_BATCH_SIZE and seq_len >= 8):
-        raise AttnlabError(
-            f"--steps must be >= 1, --batch-size from 1 to {MAX_BATCH_SIZE} and --seq-len >= 8 "
-            "(room for masked positions)"
-        )
-    torch.manual_seed(0)
-    config = BertConfig.preset(preset)
-    if seq_len > config.max_positions:
-        raise AttnlabError(f"--seq-len {seq_len} is above max positions ({config.max_positions})")
-    keep_freed_memory()  # as the trainer does
-    model = BertForPreTraining(config).train()
-    network = torch.compile(model) if compile else model  # compiled in the warm-up steps
-    step = training_step(
-        network, build_optimizer(model, lr=1e-4), precision, keep_grads=not compile
-    )
-    batch = synthetic_batch(config.vocab_size, batch_size, seq_len)
-    step(batch)
-    step(batch)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step(batch)
-    seconds = (time.perf_counter() - start) / steps
-    return {
-        "preset": preset,
-        "batch_size": batch_size,
-        "seq_len": seq_len,
-        "steps": steps,
-        "precision": precision,
-        "compile": compile,
-        "threads": torch.get_num_threads(),
-        "seconds_per_step": seconds,
-        "tokens_per_s": batch_size * seq_len / seconds,
-    }
+def publish_bert(model: BertForPreTraining, tokenizer: BertTokenizer, out: Path) -> None:
+    """Save a trained BERT into out/ (HF layout) through a stage directory (pretrain, distill)."""
+    save_bert(model.eval(), out / "final.tmp", tokenizer, overwrite=True)
+    publish(out / "final.tmp", out)
 
 
 # ---------------------------------------------------------------------------- fill-mask

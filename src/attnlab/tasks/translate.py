@@ -38,6 +38,7 @@ from attnlab.interop.hf import all_finite
 from attnlab.io import clear_dir, write_text_atomic, write_with_atomic
 from attnlab.metrics import corpus_bleu
 from attnlab.models.seq2seq import Transformer
+from attnlab.tasks.job import Job, run_job
 from attnlab.text.bpe import BpeTokenizer, train_bpe_from_texts
 from attnlab.text.parallel import (
     EncodedPairs,
@@ -50,19 +51,12 @@ from attnlab.text.parallel import (
 )
 from attnlab.train.checkpoint import MODEL_FILE, complete_checkpoints
 from attnlab.train.config import RunOptions
-from attnlab.train.distributed import (
-    barrier,
-    init_distributed,
-    raise_together,
-    shutdown_distributed,
-)
 from attnlab.train.trainer import (
     CHECKPOINT_DIR,
     TrainConfig,
     Trainer,
     check_run_out,
     has_checkpoint,
-    hold_run_out,
     holds_run,
 )
 
@@ -569,38 +563,52 @@ def trainer_config(opts: TranslateOptions) -> TrainConfig:
     )
 
 
-def train_translation(
-    opts: TranslateOptions, say: Callable[[str], None] = lambda _: None
-) -> dict[str, Any]:
-    """Run (or resume) a translation training job; returns the trainer's summary."""
-    opts.validate()
-    config = trainer_config(opts)  # checked before anything is written
-    rank, world_size, _ = init_distributed()
-    with hold_run_out(opts.out, rank):  # no other run writes to --out until this one ends
-        check_out_dir(opts)  # on every rank, before any rank writes
-        # Rank 0 reads the data, learns the vocabulary and checks everything; only then is anything
-        # written to --out. A failure is shared with every rank, so none waits at a barrier.
-        failure: AttnlabError | None = None
-        if rank == 0:
-            try:
-                data = prepare(opts)
-                # its split is refused before --overwrite clears --out
-                data.batches.set_rank(rank, world_size)
-            except AttnlabError as err:
-                failure = err
-        raise_together(failure)
-        if rank == 0:
-            for note in data.messages:
-                say(note)
-            torch.manual_seed(opts.seed)  # the initial weights are part of the run
-            model = Transformer(data.config)  # a model too large for memory fails before any write
-            _write_run_files(opts, data)
-        barrier()
-        if rank != 0:
-            data = prepare(opts, from_out=True)
-            torch.manual_seed(opts.seed)
-            model = Transformer(data.config)
+@dataclass
+class TranslationJob(Job):
+    """A translation run's steps, in the order ``run_job`` calls them (tasks/job.py)."""
+
+    opts: TranslateOptions
+    config: TrainConfig
+    say: Callable[[str], None]
+    data: TranslationData = field(init=False)
+    model: Transformer = field(init=False)
+    evaluate: Callable[[nn.Module], dict[str, float]] | None = field(init=False, default=None)
+
+    @property
+    def out(self) -> Path:
+        """The run's --out."""
+        return self.opts.out
+
+    def check_out(self) -> None:
+        """Refuse an --out that holds files or another run, unless resuming or overwriting."""
+        check_out_dir(self.opts)
+
+    def prepare(self, world_size: int) -> None:
+        """Read the data, learn the vocabulary and check everything (rank 0)."""
+        self.data = prepare(self.opts)
+        self.data.batches.set_rank(0, world_size)  # refused before --overwrite clears --out
+
+    def start_out(self) -> None:
+        """Build the model (one too large for memory fails before any write), start --out."""
+        for note in self.data.messages:
+            self.say(note)
+        self._build_model()
+        _write_run_files(self.opts, self.data)
+
+    def follow(self) -> None:
+        """The vocabulary and model config rank 0 wrote, the same data and initial model."""
+        self.data = prepare(self.opts, from_out=True)
+        self._build_model()
+
+    def _build_model(self) -> None:
+        torch.manual_seed(self.opts.seed)  # the initial weights are part of the run
+        self.model = Transformer(self.data.config)
+
+    def trainer(self) -> Trainer:
+        """The shared trainer, scoring loss and BLEU and keeping the best model in best/."""
+        opts, data = self.opts, self.data
         evaluate = evaluation(data, opts.max_tokens, opts.eval_sentences, opts.eval_beam)
+        config = self.config
         if evaluate is None:
             config = dataclasses.replace(config, best_metric=None)
 
@@ -608,9 +616,19 @@ def train_translation(
             save_model_dir(opts.out / BEST_DIR, data.config, data.tokenizer, best_model)
 
         on_best = keep_best if config.best_metric is not None else None
-        summary = Trainer(model, data.batches, config, evaluate, on_best=on_best).fit()
-        if rank == 0:
-            summary.update(_finish(opts, model, data, evaluate))
-        barrier()
-        shutdown_distributed()
-    return summary
+        self.evaluate = evaluate
+        return Trainer(self.model, data.batches, config, evaluate, on_best=on_best)
+
+    def publish(self, trainer: Trainer, summary: dict[str, Any]) -> dict[str, Any]:
+        """model.safetensors in --out: the last checkpoints' average, or the final weights."""
+        summary.update(_finish(self.opts, self.model, self.data, self.evaluate))
+        return summary
+
+
+def train_translation(
+    opts: TranslateOptions, say: Callable[[str], None] = lambda _: None
+) -> dict[str, Any]:
+    """Run (or resume) a translation training job; returns the trainer's summary."""
+    opts.validate()
+    config = trainer_config(opts)  # checked before anything is written
+    return run_job(TranslationJob(opts, config, say))
