@@ -1,4 +1,4 @@
-"""Joint source/target BPE vocabulary for translation (Sennrich et al. 2016; Vaswani et al. 2017, §5.1).
+"""Joint source/target BPE for translation (Sennrich et al. 2016; Vaswani et al. 2017, §5.1).
 
 Every step runs in HF `tokenizers`: NFC normalisation (canonical composition only), a
 Metaspace pre-tokenizer that turns each space into "▁" glued to the next word, and BPE merges
@@ -6,7 +6,7 @@ learnt on both languages at once. Metaspace splits only at spaces, so unspaced C
 one long "word" that the merges cut into subwords: no word segmenter is needed. Decoding turns
 "▁" back into spaces, so ``decode(encode(text))`` gives the text back exactly, spaces and
 Chinese full-width punctuation included: the detokenized output is what sacreBLEU compares
-with the references. (NFKC, used before 2026-12-02, folded ，！？ into ,!? and … into ...,
+with the references. (NFKC, used by earlier versions, folded ，！？ into ,!? and … into ...,
 which no reference does, so every such token of a Chinese output counted as a miss. A
 tokenizer saved with NFKC keeps it, as its vocabulary was learnt on it.)
 The round trip holds for text whose characters the vocabulary has seen (others become

@@ -495,7 +495,7 @@ class _CorpusWriter:
         self.sentences_at_document_end = 0
 
     def write(self, sentences: list[str], ends_document: list[bool]) -> None:
-        """Tokenize a chunk of sentences and append them; `ends_document` marks each document's last."""
+        """Tokenize and append a chunk of sentences; `ends_document` marks each document's last."""
         token_arrays, start_arrays = [], []
         sentence_ends, document_ends = [], []
         encodings = _encode_chunk(self.tokenizer, sentences)

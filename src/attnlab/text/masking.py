@@ -47,8 +47,9 @@ def mask_tokens(
     padding; generator: one for the batch, or one per row (static masking); replacement_ids:
     (n,) long, the ids a random replacement is drawn from; word_starts: (batch, seq) bool,
     given for whole-word masking (a word is a start token and the non-start tokens after
-    it; words holding an unmaskable token are never chosen); lengths: each row's unpadded length (default: seq).
-    Labels hold the original id at chosen positions and IGNORE_INDEX elsewhere.
+    it; words holding an unmaskable token are never chosen); lengths: each row's unpadded
+    length (default: seq). Labels hold the original id at chosen positions and IGNORE_INDEX
+    elsewhere.
     """
     batch, seq = input_ids.shape
     lengths = [seq] * batch if lengths is None else list(lengths)
@@ -68,15 +69,7 @@ def mask_tokens(
         actions[row, :length] = torch.rand(length, generator=rng)
         picks[row, :length] = torch.randint(len(replacement_ids), (length,), generator=rng)
 
-    n_maskable = maskable.sum(dim=1)
-    # google: round(n * p), at least one, at most max_predictions; here n counts maskable
-    # tokens only, so [CLS] and [SEP] do not inflate the rate. In double precision, as
-    # Python's round: in float32, 190 * 0.15 is 28.5 and rounds to 29, not google's 28.
-    n_predict = torch.clamp(torch.round(n_maskable.double() * mask_prob), min=1)
-    if max_predictions is not None and max_predictions < seq:  # a cap past seq caps nothing,
-        n_predict = torch.clamp(n_predict, max=max_predictions)  # and past 2**63 overflows
-    n_predict = torch.minimum(n_predict, n_maskable).long()
-
+    n_predict = _predictions_per_row(maskable, mask_prob, max_predictions)
     if word_starts is None:
         chosen = _choose_tokens(scores, maskable, n_predict)
     else:
@@ -91,6 +84,21 @@ def mask_tokens(
     corrupted[to_mask] = mask_id
     corrupted[to_random] = replacement_ids[picks[to_random]]
     return corrupted, labels
+
+
+def _predictions_per_row(
+    maskable: torch.Tensor, mask_prob: float, max_predictions: int | None
+) -> torch.Tensor:
+    """How many tokens each row of maskable (batch, seq) has chosen: (batch,) long."""
+    n_maskable = maskable.sum(dim=1)
+    # google: round(n * p), at least one, at most max_predictions; here n counts maskable
+    # tokens only, so [CLS] and [SEP] do not inflate the rate. In double precision, as
+    # Python's round: in float32, 190 * 0.15 is 28.5 and rounds to 29, not google's 28.
+    n_predict = torch.clamp(torch.round(n_maskable.double() * mask_prob), min=1)
+    seq = maskable.shape[1]
+    if max_predictions is not None and max_predictions < seq:  # a cap past seq caps nothing,
+        n_predict = torch.clamp(n_predict, max=max_predictions)  # and past 2**63 overflows
+    return torch.minimum(n_predict, n_maskable).long()
 
 
 def _choose_tokens(

@@ -42,7 +42,7 @@ def read_text_lines(path: Path) -> list[str]:
 
 
 def decode_lines(data: bytes, source: str) -> list[str]:
-    """UTF-8 bytes -> lines without line endings; an invalid line is an error naming source and line."""
+    """UTF-8 bytes -> lines without line endings; an invalid line's error names source and line."""
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
@@ -279,7 +279,7 @@ class TokenBatches:
         self.epoch = int(state["epoch"])
         if "next_batch" in state:
             self.next_batch = int(state["next_batch"])
-        else:  # a checkpoint of before 2026-12-05 counted steps (of as many processes as now)
+        else:  # an older checkpoint counted steps (of as many processes as now)
             self.next_batch = int(state["batch_index"]) * self.world_size
 
     def tokens_in(self, batch: Batch) -> int:

@@ -59,7 +59,8 @@ class ExampleBuilder:
         """Build examples of at most `max_seq_len` tokens for `objective` (see OBJECTIVES)."""
         if objective not in OBJECTIVES:
             raise AttnlabError(
-                f"unknown pretraining objective {objective!r}: choose one of {', '.join(OBJECTIVES)}"
+                f"unknown pretraining objective {objective!r}: "
+                f"choose one of {', '.join(OBJECTIVES)}"
             )
         minimum = 3 if objective == "mlm" else 5  # room for the specials and 1 token a segment
         if not isinstance(max_seq_len, int) or max_seq_len < minimum:

@@ -89,17 +89,7 @@ class BertTokenizer:
         given here decide normalisation (as `tokenizer_config.json` does in transformers),
         and any padding or truncation stored in it is cleared.
         """
-        if not isinstance(backend.model, models.WordPiece):
-            raise AttnlabError(
-                f"BertTokenizer needs a WordPiece model, got {type(backend.model).__name__}"
-            )
-        missing = [token for token in SPECIAL_TOKENS if backend.token_to_id(token) is None]
-        if missing:
-            raise AttnlabError(f"vocabulary lacks BERT's special tokens {', '.join(missing)}")
-        if backend.model.unk_token != UNK:
-            raise AttnlabError(
-                f"WordPiece unk_token is {backend.model.unk_token!r}, expected {UNK}"
-            )
+        _check_wordpiece(backend)
         _check_max_length(max_length, "max_length")
 
         self._lowercase = lowercase
@@ -110,27 +100,7 @@ class BertTokenizer:
         # when true, transformers' decode joins " ," " 's" " n't" and the like (from_dir sets it).
         self._clean_up_spaces = False
 
-        # Registered as special added tokens so that "[MASK]" typed in text stays one token
-        # and decode(skip_special_tokens=True) drops them, as in transformers.
-        backend.add_special_tokens(
-            [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS]
-        )
-        ids = {token: backend.token_to_id(token) for token in SPECIAL_TOKENS}
-        backend.normalizer = normalizers.BertNormalizer(
-            clean_text=True,
-            handle_chinese_chars=tokenize_chinese_chars,
-            strip_accents=strip_accents,
-            lowercase=lowercase,
-        )
-        backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{CLS}:0 $A:0 {SEP}:0",
-            pair=f"{CLS}:0 $A:0 {SEP}:0 $B:1 {SEP}:1",
-            special_tokens=[(CLS, ids[CLS]), (SEP, ids[SEP])],
-        )
-        backend.decoder = decoders.WordPiece(prefix="##", cleanup=True)
-        backend.no_padding()
-        backend.no_truncation()
+        ids = _install_bert_pipeline(backend, lowercase, strip_accents, tokenize_chinese_chars)
         self._backend = backend
 
         self._pad_id, self._unk_id = ids[PAD], ids[UNK]
@@ -180,39 +150,7 @@ class BertTokenizer:
         _check_tokenizer_class(root, config)
         _check_special_tokens(root, config)
 
-        tokenizer_json, vocab_txt = root / "tokenizer.json", root / "vocab.txt"
-        if tokenizer_json.is_file():
-            try:
-                backend = tokenizers.Tokenizer.from_file(str(tokenizer_json))
-            except Exception as error:  # tokenizers raises plain Exception on bad JSON
-                raise AttnlabError(f"cannot read {tokenizer_json}: {error}") from error
-            if not isinstance(backend.model, models.WordPiece):
-                raise AttnlabError(
-                    f"{tokenizer_json} holds a {type(backend.model).__name__} model, "
-                    "not WordPiece: is this a BERT checkpoint?"
-                )
-            # tokenizer.json holds its own added tokens; transformers also adds those of
-            # added_tokens_decoder that it lacks, with their recorded ids.
-            added = []
-            if "added_tokens_decoder" in config:
-                added = [
-                    (token_id, token)
-                    for token_id, token in _recorded_added_tokens(root, config)
-                    if backend.token_to_id(token.content) is None
-                ]
-        elif vocab_txt.is_file():
-            backend = tokenizers.Tokenizer(
-                models.WordPiece(
-                    _read_vocab_txt(vocab_txt),
-                    unk_token=UNK,
-                    max_input_chars_per_word=MAX_INPUT_CHARS_PER_WORD,
-                )
-            )
-            added = _recorded_added_tokens(root, config)
-        else:
-            raise AttnlabError(
-                f"no vocab.txt or tokenizer.json in {root}: is this a BERT checkpoint?"
-            )
+        backend, added = _load_wordpiece(root, config)
 
         # Defaults of transformers' BertTokenizer; tokenizer_config.json overrides them and
         # wins over the normalizer stored in tokenizer.json, exactly as in transformers.
@@ -222,10 +160,7 @@ class BertTokenizer:
         strip_accents = _config_value(config, "strip_accents", None, config_path)
         chinese = _config_value(config, "tokenize_chinese_chars", True, config_path, nullable=False)
         if max_length is None:
-            # max_len is the key of tokenizers saved before 2020; transformers still reads it.
-            stored = config.get("model_max_length", config.get("max_len"))
-            ok = isinstance(stored, int) and not isinstance(stored, bool) and 0 < stored < _NO_LIMIT
-            max_length = stored if ok else 512
+            max_length = _stored_max_length(config)
         tokenizer = cls(backend, lowercase, strip_accents, chinese, max_length)
         tokenizer._clean_up_spaces = bool(
             _config_value(config, "clean_up_tokenization_spaces", False, config_path)
@@ -479,6 +414,50 @@ def _check_max_length(value: object, name: str, minimum: int = 2) -> None:
         raise AttnlabError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def _check_wordpiece(backend: tokenizers.Tokenizer) -> None:
+    """Raise AttnlabError unless backend is a WordPiece model with BERT's special tokens."""
+    if not isinstance(backend.model, models.WordPiece):
+        raise AttnlabError(
+            f"BertTokenizer needs a WordPiece model, got {type(backend.model).__name__}"
+        )
+    missing = [token for token in SPECIAL_TOKENS if backend.token_to_id(token) is None]
+    if missing:
+        raise AttnlabError(f"vocabulary lacks BERT's special tokens {', '.join(missing)}")
+    if backend.model.unk_token != UNK:
+        raise AttnlabError(f"WordPiece unk_token is {backend.model.unk_token!r}, expected {UNK}")
+
+
+def _install_bert_pipeline(
+    backend: tokenizers.Tokenizer,
+    lowercase: bool,
+    strip_accents: bool | None,
+    tokenize_chinese_chars: bool,
+) -> dict[str, int]:
+    """Set BERT's normalizer, pre-tokenizer, template and decoder on backend; the special ids."""
+    # Registered as special added tokens so that "[MASK]" typed in text stays one token
+    # and decode(skip_special_tokens=True) drops them, as in transformers.
+    backend.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS]
+    )
+    ids = {token: backend.token_to_id(token) for token in SPECIAL_TOKENS}
+    backend.normalizer = normalizers.BertNormalizer(
+        clean_text=True,
+        handle_chinese_chars=tokenize_chinese_chars,
+        strip_accents=strip_accents,
+        lowercase=lowercase,
+    )
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{CLS}:0 $A:0 {SEP}:0",
+        pair=f"{CLS}:0 $A:0 {SEP}:0 $B:1 {SEP}:1",
+        special_tokens=[(CLS, ids[CLS]), (SEP, ids[SEP])],
+    )
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    backend.no_padding()
+    backend.no_truncation()
+    return ids
+
+
 def _read_vocab_txt(path: Path) -> dict[str, int]:
     """Read vocab.txt (one token a line, id = line number - 1) with tokenizers' reader."""
     if not path.is_file():
@@ -548,7 +527,7 @@ def _check_special_tokens(root: Path, config: dict) -> None:
 
 
 def _recorded_added_tokens(root: Path, config: dict) -> list[tuple[int, AddedToken]]:
-    """(id, token) pairs recorded beside a vocab.txt: added_tokens_decoder, else added_tokens.json."""
+    """(id, token) pairs recorded beside a vocab.txt: added_tokens_decoder, or added_tokens.json."""
     path = root / "tokenizer_config.json"
     if "added_tokens_decoder" in config:
         recorded = config["added_tokens_decoder"]
@@ -569,6 +548,56 @@ def _recorded_added_tokens(root: Path, config: dict) -> list[tuple[int, AddedTok
         )
         for token, i in recorded.items()
     ]
+
+
+def _load_wordpiece(
+    root: Path, config: dict
+) -> tuple[tokenizers.Tokenizer, list[tuple[int, AddedToken]]]:
+    """The WordPiece backend of a checkpoint directory, and the added tokens it still lacks.
+
+    From tokenizer.json where there is one, else from vocab.txt; each added token comes with
+    the id tokenizer_config.json records for it.
+    """
+    tokenizer_json, vocab_txt = root / "tokenizer.json", root / "vocab.txt"
+    if tokenizer_json.is_file():
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+        except Exception as error:  # tokenizers raises plain Exception on bad JSON
+            raise AttnlabError(f"cannot read {tokenizer_json}: {error}") from error
+        if not isinstance(backend.model, models.WordPiece):
+            raise AttnlabError(
+                f"{tokenizer_json} holds a {type(backend.model).__name__} model, "
+                "not WordPiece: is this a BERT checkpoint?"
+            )
+        # tokenizer.json holds its own added tokens; transformers also adds those of
+        # added_tokens_decoder that it lacks, with their recorded ids.
+        added = []
+        if "added_tokens_decoder" in config:
+            added = [
+                (token_id, token)
+                for token_id, token in _recorded_added_tokens(root, config)
+                if backend.token_to_id(token.content) is None
+            ]
+    elif vocab_txt.is_file():
+        backend = tokenizers.Tokenizer(
+            models.WordPiece(
+                _read_vocab_txt(vocab_txt),
+                unk_token=UNK,
+                max_input_chars_per_word=MAX_INPUT_CHARS_PER_WORD,
+            )
+        )
+        added = _recorded_added_tokens(root, config)
+    else:
+        raise AttnlabError(f"no vocab.txt or tokenizer.json in {root}: is this a BERT checkpoint?")
+    return backend, added
+
+
+def _stored_max_length(config: dict) -> int:
+    """The model_max_length of tokenizer_config.json, or BERT's 512 where it sets no limit."""
+    # max_len is the key that old transformers versions saved; transformers still reads it.
+    stored = config.get("model_max_length", config.get("max_len"))
+    ok = isinstance(stored, int) and not isinstance(stored, bool) and 0 < stored < _NO_LIMIT
+    return stored if ok else 512
 
 
 def _added_token(entry: object, path: Path) -> AddedToken:
@@ -687,9 +716,10 @@ def _trainable(
     their length, and a line read in pieces handed on in pieces, each word whole.
 
     None of such a word's pieces would ever be used for it, and the trainer's merges cost the
-    square of a word's length: one line of 300,000 letters took minutes, of 3 MB hours. The
-    trainer normalises each string it is given with offsets for every byte: a 50 MB line
-    took 3.4 GB. A word that a piece's end cuts waits, normalised, for the next piece.
+    square of a word's length, so one long line without spaces could stall training. The
+    trainer also normalises each string it is given with offsets for every byte, many times
+    the string's size in memory. A word that a piece's end cuts waits, normalised, for the
+    next piece.
     """
     held = ""  # the normalised start of a word cut by a piece's end
     dropping = False  # that word is already too long to keep: its rest goes too
