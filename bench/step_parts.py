@@ -53,17 +53,30 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from attnlab.config import BertConfig
-    from attnlab.models.bert import BertForPreTraining
-    from attnlab.nn.loss import summed_cross_entropy, summed_kl_divergence
-    from attnlab.train.grads import _total_norm
     from attnlab.train.memory import keep_freed_memory
 
     keep_freed_memory()
     torch.manual_seed(0)
     print(f"machine: {machine()}", file=sys.stderr)
-    results = {}
+    results = {
+        **loss_parts(args.repeats),
+        "bias_gradient": bias_gradient(args.repeats),
+        "clipping_norm": clipping_norm(args.repeats),
+    }
+    for name, r in results.items():
+        extra = {k: f"{v:.1e}" for k, v in r.items() if not k.endswith("_ms")}
+        print(
+            f"{name:14s} attnlab {r['attnlab_ms']:6.2f} ms, plain {r['plain_ms']:6.2f} ms; {extra}",
+            file=sys.stderr,
+        )
+    print(json.dumps({"bench": "step_parts", "threads": args.threads, **results}))
 
+
+def loss_parts(repeats: int) -> dict[str, dict[str, float]]:
+    """The MLM loss and distillation's KL term, forward and backward, attnlab's and plain."""
+    from attnlab.fast.loss import summed_cross_entropy, summed_kl_divergence
+
+    results = {}
     logits, target = torch.randn(598, 30522) * 3, torch.randint(0, 30522, (598,))
 
     def loss_step(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -77,8 +90,8 @@ def main() -> None:
 
     ours, theirs = loss_step(summed_cross_entropy), loss_step(plain)
     results["mlm_loss"] = {
-        "attnlab_ms": median_ms(lambda: loss_step(summed_cross_entropy), args.repeats),
-        "plain_ms": median_ms(lambda: loss_step(plain), args.repeats),
+        "attnlab_ms": median_ms(lambda: loss_step(summed_cross_entropy), repeats),
+        "plain_ms": median_ms(lambda: loss_step(plain), repeats),
         "relative_difference": float((ours - theirs).abs() / theirs.abs()),
     }
 
@@ -99,18 +112,29 @@ def main() -> None:
 
     ours, theirs = kl_step(blocked_kl), kl_step(plain_kl)
     results["distill_kl"] = {
-        "attnlab_ms": median_ms(lambda: kl_step(blocked_kl), args.repeats),
-        "plain_ms": median_ms(lambda: kl_step(plain_kl), args.repeats),
+        "attnlab_ms": median_ms(lambda: kl_step(blocked_kl), repeats),
+        "plain_ms": median_ms(lambda: kl_step(plain_kl), repeats),
         "relative_difference": float((ours - theirs).abs() / theirs.abs()),
     }
+    return results
 
+
+def bias_gradient(repeats: int) -> dict[str, float]:
+    """Column sums of an output gradient: ``ones @ rows`` against ``rows.sum(0)``."""
     rows = torch.randn(4096, 2048)
     ones = rows.new_ones(len(rows))
-    results["bias_gradient"] = {
-        "attnlab_ms": median_ms(lambda: ones @ rows, args.repeats),
-        "plain_ms": median_ms(lambda: rows.sum(0), args.repeats),
+    return {
+        "attnlab_ms": median_ms(lambda: ones @ rows, repeats),
+        "plain_ms": median_ms(lambda: rows.sum(0), repeats),
         "relative_difference": float(((ones @ rows) - rows.sum(0)).norm() / rows.sum(0).norm()),
     }
+
+
+def clipping_norm(repeats: int) -> dict[str, float]:
+    """The norm of bert-small's gradients: attnlab's BLAS dots against ``vector_norm``s."""
+    from attnlab.config import BertConfig
+    from attnlab.models.bert import BertForPreTraining
+    from attnlab.train.grads import _total_norm
 
     grads = [
         torch.randn_like(p)
@@ -122,19 +146,12 @@ def main() -> None:
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
     exact = float(torch.stack([g.double().pow(2).sum() for g in grads]).sum().sqrt())
-    results["clipping_norm"] = {
-        "attnlab_ms": median_ms(lambda: _total_norm(pairs), args.repeats),
-        "plain_ms": median_ms(plain_norm, args.repeats),
+    return {
+        "attnlab_ms": median_ms(lambda: _total_norm(pairs), repeats),
+        "plain_ms": median_ms(plain_norm, repeats),
         "attnlab_error_vs_float64": abs(float(_total_norm(pairs)) - exact) / exact,
         "plain_error_vs_float64": abs(float(plain_norm()) - exact) / exact,
     }
-    for name, r in results.items():
-        extra = {k: f"{v:.1e}" for k, v in r.items() if not k.endswith("_ms")}
-        print(
-            f"{name:14s} attnlab {r['attnlab_ms']:6.2f} ms, plain {r['plain_ms']:6.2f} ms; {extra}",
-            file=sys.stderr,
-        )
-    print(json.dumps({"bench": "step_parts", "threads": args.threads, **results}))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Summed cross-entropy and KL divergence (attnlab.nn.loss) against PyTorch's, value and grads."""
+"""Summed cross-entropy and KL divergence (attnlab.fast.loss) against PyTorch's, value and grads."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.errors import AttnlabError
-from attnlab.nn import loss as loss_module
-from attnlab.nn.loss import summed_cross_entropy, summed_kl_divergence
+from attnlab.fast import loss as loss_module
+from attnlab.fast.loss import summed_cross_entropy, summed_kl_divergence
 
 
 @pytest.mark.parametrize("upstream", [1.0, 0.37])
@@ -173,3 +173,28 @@ def test_kl_second_backward_no_rows_and_shape_check() -> None:
     assert float(loss.detach()) == 0.0 and empty.grad.shape == (0, 5)
     with pytest.raises(AttnlabError, match="rows, vocab"):
         summed_kl_divergence(student, torch.randn(3, 6))
+
+
+def test_fast_twins_equal_the_plain_loss_modules() -> None:
+    """BlockedCrossEntropy / BlockedKLDivergence against SummedCrossEntropy / SummedKLDivergence."""
+    from attnlab.fast.loss import BlockedCrossEntropy, BlockedKLDivergence
+    from attnlab.nn.loss import SummedCrossEntropy, SummedKLDivergence
+
+    g = torch.Generator().manual_seed(0)
+    logits, teacher = torch.randn(9, 40, generator=g), torch.randn(9, 40, generator=g)
+    target = torch.randint(0, 40, (9,), generator=g)
+    pairs = [
+        (SummedCrossEntropy(), BlockedCrossEntropy(), lambda m, z: m(z, target)),
+        (SummedKLDivergence(), BlockedKLDivergence(), lambda m, z: m(z, teacher, 1.5)),
+    ]
+    for plain, twin, call in pairs:
+        grads = []
+        for module in (plain, twin):
+            z = logits.clone().requires_grad_(True)
+            value = call(module, z)
+            value.backward()
+            grads.append((value.detach(), z.grad))
+        torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-6)
+    with pytest.raises(AttnlabError, match="rows, vocab"):
+        SummedKLDivergence()(logits, torch.randn(9, 41))

@@ -2,14 +2,29 @@
 
 The model layer (``attnlab.nn``, ``attnlab.models``) is plain PyTorch and runs without this
 package. The jobs (pretrain, distill, finetune, translate, embed) call ``for_training`` or
-``for_inference`` on their models; the Python API's models stay plain unless asked.
+``for_inference`` on their models, and give the trainer ``TrainingSpeedups``; the Python API's
+models stay plain unless asked. ``ATTNLAB_SPEEDUPS`` picks speed-ups by name (fast/swap.py:
+chosen); ``attnlab info --speedups`` lists them and the route taken here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from torch import nn
 
-from attnlab.fast.swap import INFERENCE, TRAINING, Speedup, chosen, registry, swap, to_plain
+from attnlab.fast.route import describe_route, route_line
+from attnlab.fast.swap import (
+    INFERENCE,
+    TRAINING,
+    Speedup,
+    chosen,
+    registry,
+    swap,
+    swapped,
+    to_plain,
+)
 
 
 def for_training(model: nn.Module, names: str | None = None) -> nn.Module:
@@ -22,14 +37,25 @@ def for_inference(model: nn.Module, names: str | None = None) -> nn.Module:
     return swap(model, chosen(INFERENCE, names))
 
 
+@contextmanager
+def inference_twins(model: nn.Module, names: str | None = None) -> Iterator[nn.Module]:
+    """The model with its inference twins inside the block (an evaluation during training),
+    its own classes (training twins, say) after."""
+    with swapped(model, chosen(INFERENCE, names)):
+        yield model
+
+
 __all__ = [
     "INFERENCE",
     "TRAINING",
     "Speedup",
     "chosen",
+    "describe_route",
     "for_inference",
     "for_training",
+    "inference_twins",
     "registry",
+    "route_line",
     "swap",
     "to_plain",
 ]

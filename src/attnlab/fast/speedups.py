@@ -1,7 +1,68 @@
-"""The list of module speed-ups (fast/swap.py: Speedup), one entry per twin."""
+"""The list of speed-ups (fast/swap.py: Speedup), one entry per twin or trainer measure."""
 
 from __future__ import annotations
 
-from attnlab.fast.swap import Speedup
+from torch import nn
 
-SPEEDUPS: list[Speedup] = []
+from attnlab.fast.attention import FastEncoder, FastEncoderLayer, FastMultiHeadAttention
+from attnlab.fast.dropout import FastDropout, FastResidual
+from attnlab.fast.linear import PackedFeedForward, PackedLinear, TrainingLinear
+from attnlab.fast.loss import BlockedCrossEntropy, BlockedKLDivergence
+from attnlab.fast.route import has_onednn
+from attnlab.fast.swap import INFERENCE, TRAINING, Speedup
+from attnlab.nn.attention import MultiHeadAttention
+from attnlab.nn.blocks import Encoder, EncoderLayer, FeedForward, Residual
+from attnlab.nn.loss import SummedCrossEntropy, SummedKLDivergence
+
+
+def _always() -> bool:
+    return True
+
+
+SPEEDUPS: list[Speedup] = [
+    # Linear layers, dropout, losses and the trainer's measures (fast/linear.py, dropout.py,
+    # loss.py, training.py).
+    Speedup(
+        "linear", nn.Linear, TrainingLinear, (TRAINING,), _always,
+        "CPU fp32 training products by the faster library (oneDNN or MKL), a contiguous weight "
+        "gradient; bf16 autocast's products by the fp32 kernel where bf16 is not fast",
+    ),
+    Speedup(
+        "packed", nn.Linear, PackedLinear, (INFERENCE,), has_onednn,
+        "CPU fp32 inference on weights packed once for oneDNN (needs oneDNN)",
+    ),
+    Speedup(
+        "packed_relu", FeedForward, PackedFeedForward, (INFERENCE,), has_onednn,
+        "a ReLU feed-forward's first packed product applies the ReLU as it writes (needs oneDNN)",
+    ),
+    Speedup(
+        "dropout", nn.Dropout, FastDropout, (TRAINING,), _always,
+        "CPU dropout masks from four 16-bit integers per 64-bit draw, one masked pass",
+    ),
+    Speedup(
+        "residual", Residual, FastResidual, (TRAINING,), _always,
+        "CPU residual sum x + dropout(h) in one masked pass",
+    ),
+    Speedup(
+        "cross_entropy", SummedCrossEntropy, BlockedCrossEntropy, (TRAINING,), _always,
+        "CPU MLM loss: one log-sum-exp a row kept, the gradient written a block of rows at a time",
+    ),
+    Speedup(
+        "kl_divergence", SummedKLDivergence, BlockedKLDivergence, (TRAINING,), _always,
+        "CPU distillation KL a block of rows at a time, no whole log-softmaxes kept",
+    ),
+    # Attention and the encoder stack (fast/attention.py).
+    Speedup(
+        "attention", MultiHeadAttention, FastMultiHeadAttention, (TRAINING, INFERENCE), _always,
+        "CPU attention by the explicit formula for few queries and with dropout, training "
+        "dropout attention as one autograd function, beams sharing cross-attention keys",
+    ),
+    Speedup(
+        "kept_rows", EncoderLayer, FastEncoderLayer, (TRAINING, INFERENCE), _always,
+        "an encoder layer can compute some positions only (with the kept_rows encoder)",
+    ),
+    Speedup(
+        "kept_rows", Encoder, FastEncoder, (TRAINING, INFERENCE), _always,
+        "with BertModel's keep, the last layer computes only the kept positions",
+    ),
+]  # fmt: skip

@@ -3,13 +3,18 @@
 A twin is a subclass of a plain module class that adds no parameters or buffers and computes
 the same function (tested equal, values and gradients) by a faster route on some hardware.
 Swapping sets ``module.__class__``: parameters, state-dict names and optimiser state are
-untouched, and ``to_plain`` undoes it. Nothing else in the model changes.
+untouched, and ``to_plain`` undoes it. A twin may keep state it builds on first use (a packed
+weight) as plain attributes named in its ``fast_state``; they are dropped when it goes.
+
+Speed-ups that are not modules (the trainer's, fast/training.py) are listed the same way,
+without a plain class or twin, so that one ``ATTNLAB_SPEEDUPS`` names them all.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from torch import nn
@@ -24,15 +29,15 @@ class Speedup:
     """One speed-up: a plain class, its twin, when it is used, and whether it helps on this host."""
 
     name: str  # short and unique, e.g. "linear", "dropout", "attention"
-    plain: type[nn.Module]
-    twin: type[nn.Module]
+    plain: type[nn.Module] | None  # None for a speed-up that is not a module (fast/training.py)
+    twin: type[nn.Module] | None
     uses: tuple[str, ...]  # TRAINING and/or INFERENCE
     applies: Callable[[], bool]  # whether the route helps here (CPU vendor, bf16 units, device)
     why: str  # one line: what it does differently
 
 
 def registry() -> list[Speedup]:
-    """Every module speed-up attnlab has, in the order they are applied."""
+    """Every speed-up attnlab has, in the order they are applied."""
     from attnlab.fast import speedups  # the list lives beside the twins
 
     return list(speedups.SPEEDUPS)
@@ -66,21 +71,48 @@ def chosen(use: str, names: str | None = None) -> list[Speedup]:
     return [s for s in candidates if s.name not in dropped]
 
 
+def _plain_class(cls: type) -> type:
+    """The plain class of a twin class; any other class is its own."""
+    for s in registry():
+        if s.twin is cls and s.plain is not None:
+            return s.plain
+    return cls
+
+
+def _set_class(module: nn.Module, cls: type) -> None:
+    """Give module the class cls, first dropping the state its old twin class built."""
+    for name in getattr(type(module), "fast_state", ()):
+        module.__dict__.pop(name, None)
+    module.__class__ = cls
+
+
 def swap(model: nn.Module, speedups: list[Speedup]) -> nn.Module:
-    """Give every module whose class is exactly a speed-up's plain class that twin's class."""
-    twins = {s.plain: s.twin for s in speedups}
+    """Give every module of a speed-up's plain class (or another twin of it) that twin's class."""
+    twins = {s.plain: s.twin for s in speedups if s.plain is not None}
     for module in model.modules():
-        twin = twins.get(type(module))
-        if twin is not None:
-            module.__class__ = twin
+        twin = twins.get(_plain_class(type(module)))
+        if twin is not None and type(module) is not twin:
+            _set_class(module, twin)
     return model
 
 
 def to_plain(model: nn.Module) -> nn.Module:
     """Undo every swap: each twin module gets its plain class back."""
-    plains = {s.twin: s.plain for s in registry()}
     for module in model.modules():
-        plain = plains.get(type(module))
-        if plain is not None:
-            module.__class__ = plain
+        plain = _plain_class(type(module))
+        if plain is not type(module):
+            _set_class(module, plain)
     return model
+
+
+@contextmanager
+def swapped(model: nn.Module, speedups: list[Speedup]) -> Iterator[nn.Module]:
+    """The model with these twins inside the block, each module's own class again after."""
+    before = {module: type(module) for module in model.modules()}
+    swap(model, speedups)
+    try:
+        yield model
+    finally:
+        for module, cls in before.items():
+            if type(module) is not cls:
+                _set_class(module, cls)

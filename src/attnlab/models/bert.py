@@ -24,9 +24,7 @@ from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError, check_id_range, check_token_batch
 from attnlab.nn.attention import padding_bias
 from attnlab.nn.blocks import ACTIVATION_FUNCTIONS, Encoder
-from attnlab.nn.dropout import Dropout
-from attnlab.nn.linear import Linear, linear, tied_weight
-from attnlab.nn.loss import summed_cross_entropy
+from attnlab.nn.loss import SummedCrossEntropy
 from attnlab.nn.positions import build_position_encoding
 
 
@@ -66,8 +64,8 @@ class BertEmbeddings(nn.Module):
             d_head=config.d_model // config.n_heads,
         )
         self.norm = nn.LayerNorm(width, eps=config.layer_norm_eps)
-        self.dropout = Dropout(config.dropout)
-        self.projection = Linear(width, config.d_model) if width != config.d_model else None
+        self.dropout = nn.Dropout(config.dropout)
+        self.projection = nn.Linear(width, config.d_model) if width != config.d_model else None
 
     def forward(
         self, input_ids: Tensor, token_type_ids: Tensor, lengths: Tensor | None = None
@@ -91,7 +89,7 @@ class BertPooler(nn.Module):
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.dense = Linear(config.d_model, config.d_model)
+        self.dense = nn.Linear(config.d_model, config.d_model)
 
     def forward(self, hidden: Tensor) -> Tensor:
         """(batch, seq, d_model) -> (batch, d_model) from position 0."""
@@ -233,6 +231,8 @@ def _check_keep(keep: Tensor, input_ids: Tensor, full_outputs: bool) -> None:
             "keep computes only some positions of the last layer: it cannot be combined with "
             "need_weights or output_hidden_states"
         )
+    if not bool(keep.any()):
+        raise AttnlabError("keep selects no position: pass None to compute them all")
 
 
 class BertMLMHead(nn.Module):
@@ -240,16 +240,16 @@ class BertMLMHead(nn.Module):
 
     def __init__(self, config: BertConfig, word_embeddings: nn.Embedding) -> None:
         super().__init__()
-        self.dense = Linear(config.d_model, config.d_embedding)
+        self.dense = nn.Linear(config.d_model, config.d_embedding)
         self.act = ACTIVATION_FUNCTIONS[config.activation]
         self.norm = nn.LayerNorm(config.d_embedding, eps=config.layer_norm_eps)
         self.word_embeddings = word_embeddings  # shared, not a copy: weight tying
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
-    def forward(self, hidden: Tensor, weight: Tensor | None = None) -> Tensor:
-        """(..., d_model) -> (..., vocab_size) logits; weight: the tied table's own handle."""
+    def forward(self, hidden: Tensor) -> Tensor:
+        """(..., d_model) -> (..., vocab_size) logits."""
         h = self.norm(self.act(self.dense(hidden)))
-        return linear(h, self.word_embeddings.weight if weight is None else weight, self.bias)
+        return F.linear(h, self.word_embeddings.weight, self.bias)
 
 
 class BertForPreTraining(nn.Module):
@@ -264,7 +264,8 @@ class BertForPreTraining(nn.Module):
         self.config = config
         self.bert = BertModel(config, add_pooler=sentence_head)
         self.mlm = BertMLMHead(config, self.bert.embeddings.word_embeddings)
-        self.nsp = Linear(config.d_model, 2) if sentence_head else None  # IsNext / NotNext
+        self.nsp = nn.Linear(config.d_model, 2) if sentence_head else None  # IsNext / NotNext
+        self.mlm_loss = SummedCrossEntropy()  # summed over the masked tokens, in fp32
         for module in (self.mlm.dense, self.mlm.norm, self.nsp):  # outside self.bert's apply()
             if module is not None:
                 self.bert.init_weights(module)
@@ -299,10 +300,6 @@ class BertForPreTraining(nn.Module):
                 keep[:, 0] = True
             if not bool(keep.any()):
                 keep = None
-        # The tied word embeddings under a handle of their own (nn/linear.py: tied_weight),
-        # taken before the encoder's lookups: the projection's dense gradient then arrives
-        # after the lookups' sparse rows and takes them in place.
-        tied = None if masked is None else tied_weight(self.mlm.word_embeddings.weight)
         out = self.bert(input_ids, attention_mask, token_type_ids, keep=keep)
         hidden = out.last_hidden_state
         result: dict[str, Tensor] = {}
@@ -311,12 +308,12 @@ class BertForPreTraining(nn.Module):
         if masked is None:
             result["mlm_logits"] = self.mlm(hidden)
             return result
-        logits = self.mlm(hidden[masked if keep is None else masked[keep]], tied)  # (masked, V)
+        logits = self.mlm(hidden[masked if keep is None else masked[keep]])  # (masked, V)
         result["mlm_logits"] = logits
         if mlm_normalizer is not None:
-            loss = summed_cross_entropy(logits, mlm_labels[masked]) / mlm_normalizer
+            loss = self.mlm_loss(logits, mlm_labels[masked]) / mlm_normalizer
         elif logits.numel():
-            loss = summed_cross_entropy(logits, mlm_labels[masked]) / len(logits)
+            loss = self.mlm_loss(logits, mlm_labels[masked]) / len(logits)
         else:  # nothing masked: a zero loss still connected to the graph, so backward() works
             loss = hidden.sum() * 0.0
         result["mlm_loss"] = loss

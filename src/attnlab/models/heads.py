@@ -23,8 +23,6 @@ from torch import Tensor, nn
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.models.bert import BertModel, cls_only
-from attnlab.nn.dropout import Dropout
-from attnlab.nn.linear import Linear
 
 PROBLEM_TYPES = ("single_label_classification", "regression")
 
@@ -65,8 +63,8 @@ class BertForSequenceClassification(nn.Module):
         self.problem_type = problem_type
         self.classifier_dropout = classifier_dropout  # HF's config field, saved with the model
         self.bert = BertModel(config, add_pooler=True)
-        self.dropout = Dropout(_dropout(config, classifier_dropout))
-        self.classifier = Linear(config.d_model, num_labels)
+        self.dropout = nn.Dropout(_dropout(config, classifier_dropout))
+        self.classifier = nn.Linear(config.d_model, num_labels)
         _init_head(self, self.classifier)
 
     def forward(
@@ -107,8 +105,8 @@ class BertForTokenClassification(nn.Module):
         self.num_labels = num_labels
         self.classifier_dropout = classifier_dropout
         self.bert = BertModel(config, add_pooler=False)
-        self.dropout = Dropout(_dropout(config, classifier_dropout))
-        self.classifier = Linear(config.d_model, num_labels)
+        self.dropout = nn.Dropout(_dropout(config, classifier_dropout))
+        self.classifier = nn.Linear(config.d_model, num_labels)
         _init_head(self, self.classifier)
 
     def forward(
@@ -141,7 +139,7 @@ class BertForQuestionAnswering(nn.Module):
         super().__init__()
         self.config = config
         self.bert = BertModel(config, add_pooler=False)
-        self.qa_outputs = Linear(config.d_model, 2)
+        self.qa_outputs = nn.Linear(config.d_model, 2)
         _init_head(self, self.qa_outputs)
 
     def forward(
