@@ -3,7 +3,7 @@
 Model FLOPs utilisation (MFU) is the model's FLOPs over the step's time and the machine's
 matmul peak (bench/pretrain.py's count and peak). A step is its matrix products, the other
 ATen operations (LayerNorm, GELU, softmax, dropout's multiplies, the loss, AdamW, copies) and
-the rest (Python, the autograd engine, numpy's dropout masks). This measures, for attnlab's
+the rest (Python, the autograd engine, drawing dropout's masks). This measures, for attnlab's
 training step (bench/pretrain.py's attnlab side):
 
 1. the step: the fastest of --steps steps after two warm-up steps;
@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_map
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import machine, matmul_peak_flops, peak_dtype, synthetic_batch
-from pretrain import MASK_RATE, attnlab_step, step_flops
+from pretrain import MASK_RATE, attnlab_step, must_do_flops
 
 aten = torch.ops.aten
 PRODUCTS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
@@ -118,8 +118,8 @@ class OpTimer(TorchDispatchMode):
         return out
 
 
-def main() -> None:
-    """Measure, print a summary and the largest other operations, then a JSON line."""
+def parse_args() -> argparse.Namespace:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="bert-small")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -130,7 +130,32 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--top", type=int, default=12, help="other operations listed")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def time_step(step: Callable[[], None], steps: int, repeats: int) -> tuple:
+    """(fastest step seconds, fastest in-step seconds of products and of other operations,
+    product FLOPs executed a step, an OpTimer of each operation timed alone)."""
+    step()
+    step()
+    step_s = math.inf
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        step_s = min(step_s, time.perf_counter() - start)
+    in_step = {"products": math.inf, "other": math.inf}
+    for _ in range(steps):
+        with OpTimer() as timer:
+            step()
+        in_step = {kind: min(in_step[kind], timer.in_step[kind]) for kind in in_step}
+    with OpTimer(repeats) as alone:
+        step()
+    return step_s, in_step, timer.flops, alone  # the same calls every step
+
+
+def main() -> None:
+    """Measure, print a summary and the largest other operations, then a JSON line."""
+    args = parse_args()
     torch.set_num_threads(args.threads)
 
     from attnlab.config import BertConfig
@@ -140,29 +165,12 @@ def main() -> None:
     torch.manual_seed(0)
     config = BertConfig.preset(args.preset)
     data = synthetic_batch(config.vocab_size, args.batch_size, args.seq_len, MASK_RATE)
-    masked_positions = data["mlm_labels"] != -100
-    masked = int(masked_positions.sum())
-    kept = int((masked_positions | (torch.arange(args.seq_len) == 0)).sum())
-    flops = step_flops(config, args.batch_size, args.seq_len, masked, kept)
+    flops, _ = must_do_flops(config, data, args.batch_size, args.seq_len)
     yardstick = peak_dtype(args.precision)
     peak = matmul_peak_flops(yardstick)
 
     step = attnlab_step(config, data, args.precision)
-    step()
-    step()
-    step_s = math.inf
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        step()
-        step_s = min(step_s, time.perf_counter() - start)
-    in_step = {"products": math.inf, "other": math.inf}
-    for _ in range(args.steps):
-        with OpTimer() as timer:
-            step()
-        in_step = {kind: min(in_step[kind], timer.in_step[kind]) for kind in in_step}
-    executed = timer.flops  # the same calls every step
-    with OpTimer(args.repeats) as alone:
-        step()
+    step_s, in_step, executed, alone = time_step(step, args.steps, args.repeats)
     peak = max(peak, matmul_peak_flops(yardstick))  # measured again after; the higher counts
 
     products_in, others_in = in_step["products"], in_step["other"]
@@ -184,13 +192,22 @@ def main() -> None:
         "target": args.target, "other_s_allowed_in_step": budget - products_in,
         "other_s_allowed_alone": budget - products_alone,
     }  # fmt: skip
-    ms = 1e3
+    print_summary(result, executed, alone, args.top)
+    print(json.dumps(result))
+
+
+def print_summary(result: dict, executed: float, alone: OpTimer, top: int) -> None:
+    """The step's time split, the ceilings and the largest other operations, to stderr."""
+    ms, peak, step_s = 1e3, result["peak_gflops"] * 1e9, result["step_s"]
+    products_in, others_in = result["products_in_step_s"], result["other_ops_in_step_s"]
+    products_alone, others_alone = result["products_alone_s"], result["other_ops_alone_s"]
+    budget = result["model_gflop"] * 1e9 / (result["target"] * peak)
     print(f"machine: {machine()}; matmul peak {peak / 1e9:.1f} GFLOP/s", file=sys.stderr)
     print(
         f"step {step_s * ms:.0f} ms, MFU {result['mfu']:.1%}\n"
         f"  in the step: products {products_in * ms:.0f} ms "
         f"({executed / products_in / 1e9:.0f} GFLOP/s), other ATen operations "
-        f"{others_in * ms:.0f} ms, the rest (Python, autograd, numpy masks) "
+        f"{others_in * ms:.0f} ms, the rest (Python, autograd, dropout masks) "
         f"{result['rest_s'] * ms:.0f} ms\n"
         f"  each operation alone: products {products_alone * ms:.0f} ms "
         f"({executed / products_alone / 1e9:.0f} GFLOP/s), other ATen operations "
@@ -198,15 +215,14 @@ def main() -> None:
         f"ceilings: products alone in the step {result['ceiling_products_in_step']:.1%}, "
         f"products at their standalone speed {result['ceiling_products_alone']:.1%}, every "
         f"operation at its standalone speed and nothing else {result['ceiling_all_ops_alone']:.1%}"
-        f"\nMFU {args.target:.0%} allows {budget * ms:.0f} ms a step: "
+        f"\nMFU {result['target']:.0%} allows {budget * ms:.0f} ms a step: "
         f"{result['other_s_allowed_in_step'] * ms:.0f} ms for all but the products at their "
         f"in-step speed, {result['other_s_allowed_alone'] * ms:.0f} ms at their standalone speed",
         file=sys.stderr,
     )
     print("largest other operations, alone (ms a step):", file=sys.stderr)
-    for name, seconds in alone.alone_by_op.most_common(args.top):
+    for name, seconds in alone.alone_by_op.most_common(top):
         print(f"  {name:40s} {seconds * ms:7.1f}", file=sys.stderr)
-    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -132,6 +132,37 @@ SYSTEMS = {  # name -> builder of its step function (config, data, precision)
 }
 
 
+def must_do_flops(config, data, batch_size: int, seq_len: int) -> tuple[float, float]:
+    """A step's FLOPs as the model must do them, and with the last layer at every position."""
+    masked_positions = data["mlm_labels"] != -100
+    masked = int(masked_positions.sum())
+    kept = int((masked_positions | (torch.arange(seq_len) == 0)).sum())
+    # "must do": the last layer at the masked positions and [CLS] only (what attnlab runs);
+    # the dense count takes that layer at every position, as both counts once did.
+    flops = step_flops(config, batch_size, seq_len, masked, kept)
+    return flops, step_flops(config, batch_size, seq_len, masked)
+
+
+def system_row(name: str, tokens: int, rounds: list[float], work: float, dense_work: float) -> dict:
+    """One system's figures (printed too): tokens/s and utilisation of its fastest round.
+
+    ``rounds``: its seconds per step in each round; ``work`` and ``dense_work``: a step's
+    FLOPs over the matmul peak (seconds at the peak).
+    """
+    seconds = min(rounds)
+    mfu, dense_mfu = work / seconds, dense_work / seconds
+    each = [round(tokens / s) for s in rounds]
+    print(
+        f"{name:10s} {tokens / seconds:9.0f} tokens/s  MFU {mfu:6.1%} "
+        f"(last layer counted at every position: {dense_mfu:6.1%}); rounds {each}",
+        file=sys.stderr,
+    )
+    return {
+        "tokens_per_s": tokens / seconds, "mfu": mfu, "mfu_dense_last": dense_mfu,
+        "rounds_tokens_per_s": each,
+    }  # fmt: skip
+
+
 def time_in_child(name: str) -> float:
     """Seconds per step of one system, timed by this script in a fresh process (--only)."""
     child = subprocess.run(
@@ -141,8 +172,8 @@ def time_in_child(name: str) -> float:
     return json.loads(child.stdout.strip().splitlines()[-1])["seconds"]
 
 
-def main() -> None:
-    """Time both and print one table row and a JSON line."""
+def parse_args() -> argparse.Namespace:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="bert-small")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -153,7 +184,21 @@ def main() -> None:
     parser.add_argument("--malloc", choices=("keep", "default"), default="keep", help=MALLOC_HELP)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved runs; best counts")
     parser.add_argument("--only", choices=tuple(SYSTEMS), help=argparse.SUPPRESS)  # a child
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def interleaved_rounds(n_rounds: int) -> dict[str, list[float]]:
+    """Seconds per step of each system in each round, the order reversed every other round."""
+    rounds: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    for r in range(n_rounds):
+        for name in SYSTEMS if r % 2 == 0 else reversed(SYSTEMS):
+            rounds[name].append(time_in_child(name))
+    return rounds
+
+
+def main() -> None:
+    """Time both and print one table row and a JSON line."""
+    args = parse_args()
     torch.set_num_threads(args.threads)
     set_malloc(args.malloc)
     torch.manual_seed(0)
@@ -167,13 +212,7 @@ def main() -> None:
         step = SYSTEMS[args.only](config, data, args.precision)
         print(json.dumps({"seconds": time_steps(step, args.steps)}))
         return
-    masked_positions = data["mlm_labels"] != -100
-    masked = int(masked_positions.sum())
-    kept = int((masked_positions | (torch.arange(args.seq_len) == 0)).sum())
-    # "must do": the last layer at the masked positions and [CLS] only (what attnlab runs);
-    # dense_flops counts that layer at every position, as the FLOPs of both before 2026-11-30.
-    flops = step_flops(config, args.batch_size, args.seq_len, masked, kept)
-    dense_flops = step_flops(config, args.batch_size, args.seq_len, masked)
+    flops, dense_flops = must_do_flops(config, data, args.batch_size, args.seq_len)
     yardstick = peak_dtype(args.precision)
     kind = "bf16" if yardstick == torch.bfloat16 else "fp32"
     peak = matmul_peak_flops(yardstick)
@@ -185,28 +224,15 @@ def main() -> None:
             "kernel, HF's on PyTorch's slower bf16 kernel",
             file=sys.stderr,
         )
-    result = {}
-    rounds: dict[str, list[float]] = {name: [] for name in SYSTEMS}
-    for r in range(args.rounds):
-        for name in SYSTEMS if r % 2 == 0 else reversed(SYSTEMS):
-            rounds[name].append(time_in_child(name))
-    timed = {name: min(seconds) for name, seconds in rounds.items()}
+    rounds = interleaved_rounds(args.rounds)
     # The peak again after the runs: the higher of the two is the yardstick.
     after = matmul_peak_flops(yardstick)
     print(f"{kind} matmul peak after the runs {after / 1e9:.1f} GFLOP/s", file=sys.stderr)
     peak = max(peak, after)
-    for name, seconds in timed.items():
-        mfu, dense_mfu = flops / seconds / peak, dense_flops / seconds / peak
-        each = [round(tokens / s) for s in rounds[name]]
-        result[name] = {
-            "tokens_per_s": tokens / seconds, "mfu": mfu, "mfu_dense_last": dense_mfu,
-            "rounds_tokens_per_s": each,
-        }  # fmt: skip
-        print(
-            f"{name:10s} {tokens / seconds:9.0f} tokens/s  MFU {mfu:6.1%} "
-            f"(last layer counted at every position: {dense_mfu:6.1%}); rounds {each}",
-            file=sys.stderr,
-        )
+    result = {
+        name: system_row(name, tokens, each, flops / peak, dense_flops / peak)
+        for name, each in rounds.items()
+    }
     ours = result["attnlab"]["tokens_per_s"]
     ratio = ours / result["hf"]["tokens_per_s"]
     ratio_foreach = ours / result["hf_foreach"]["tokens_per_s"]

@@ -406,11 +406,6 @@ class DistillJob(Job):
     data: PretrainingData = field(init=False)
     agreement_before: dict[str, Any] = field(default_factory=dict)  # step 0's eval row
 
-    @property
-    def out(self) -> Path:
-        """The run's --out."""
-        return self.opts.out
-
     def check_out(self) -> None:
         """Refuse an --out that holds files or another run, unless resuming or overwriting."""
         check_out_dir(self.opts.pretraining())

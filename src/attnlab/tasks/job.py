@@ -15,9 +15,9 @@ order of the steps, and which rank runs each, is written once here (``run_job``)
 6. rank 0 publishes the result (``Job.publish``, each file by an atomic rename: ``publish``);
    every rank meets at a barrier and leaves the process group.
 
-A job subclasses ``Job``, keeps its options and what one step builds (data, model) on
-``self`` for the next, and runs with ``run_job(job)``, which returns the trainer's summary
-as ``Job.publish`` left it.
+A job subclasses ``Job``, keeps its options in ``opts`` (``opts.out`` is --out) and what one
+step builds (data, model) on ``self`` for the next, and runs with ``run_job(job)``, which
+returns the trainer's summary as ``Job.publish`` left it.
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ from attnlab.train.trainer import Trainer, hold_run_out
 class Job:
     """One training job's steps, called by ``run_job`` in the order of this module's docstring.
 
-    Subclasses give ``out`` (the run's --out, an attribute or a property) and fill in the
-    hooks; ``prepare`` and ``trainer`` are required, the others default to doing nothing
+    Subclasses set ``opts`` (the job's options; ``opts.out`` is the run's --out) and fill in
+    the hooks; ``prepare`` and ``trainer`` are required, the others default to doing nothing
     (``follow``: to ``prepare``).
     """
 
-    out: Path
+    opts: Any
 
     def check_out(self) -> None:
         """Every rank, --out held: refuse an --out this run may not use (``AttnlabError``)."""
@@ -76,7 +76,7 @@ class Job:
 def run_job(job: Job) -> dict[str, Any]:
     """Run a training job on this process's rank (torchrun or one process); the fit's summary."""
     rank, world_size, _ = init_distributed()
-    with hold_run_out(job.out, rank):  # no other run writes to --out until this one ends
+    with hold_run_out(job.opts.out, rank):  # no other run writes to --out until this one ends
         job.check_out()  # on every rank, before any rank writes
         failure: AttnlabError | None = None
         if rank == 0:

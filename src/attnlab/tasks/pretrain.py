@@ -457,11 +457,6 @@ class PretrainJob(Job):
     data: PretrainingData = field(init=False)
     model: BertForPreTraining = field(init=False)
 
-    @property
-    def out(self) -> Path:
-        """The run's --out."""
-        return self.opts.out
-
     def check_out(self) -> None:
         """Refuse an --out that holds files or another run, unless resuming or overwriting."""
         check_out_dir(self.opts)

@@ -64,8 +64,8 @@ FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names
 MODEL_TYPE = "attnlab-transformer"  # config.json marker of a translation model directory
 CONFIG_FILE = "config.json"
 BEST_DIR = "best"
-# Defaults of options left unset: a paper-like run on the user's data, or a quick one (about
-# a minute on 2 cores) of a 2-layer, d_model-128 model on the bundled sample.
+# Defaults of options left unset: a paper-like run on the user's data, or a quick one of a
+# 2-layer, d_model-128 model on the bundled sample.
 RUN_DEFAULTS: dict[str, Any] = {
     "preset": "transformer-small",
     "steps": 100_000,  # the paper's base model trains for 100k steps
@@ -573,11 +573,6 @@ class TranslationJob(Job):
     data: TranslationData = field(init=False)
     model: Transformer = field(init=False)
     evaluate: Callable[[nn.Module], dict[str, float]] | None = field(init=False, default=None)
-
-    @property
-    def out(self) -> Path:
-        """The run's --out."""
-        return self.opts.out
 
     def check_out(self) -> None:
         """Refuse an --out that holds files or another run, unless resuming or overwriting."""
