@@ -7,6 +7,7 @@ PyTorch's own implementation given the same weights; cached decoding must equal 
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -14,10 +15,12 @@ import pytest
 import torch
 from torch import nn
 
+from attnlab.decode.cache import KVBuffer, KVCache
 from attnlab.errors import AttnlabError
+from attnlab.fast import INFERENCE, chosen, swap
+from attnlab.fast.attention import FastMultiHeadAttention, cpu_attention
+from attnlab.fast.dropout import keep_mask
 from attnlab.nn.attention import (
-    KVBuffer,
-    KVCache,
     MultiHeadAttention,
     apply_rotary,
     causal_mask,
@@ -36,6 +39,11 @@ def qkv(q_len: int, k_len: int, dtype: torch.dtype = torch.float32, seed: int = 
     k = torch.randn(B, H, k_len, D_HEAD, generator=g, dtype=dtype)
     v = torch.randn(B, H, k_len, D_HEAD, generator=g, dtype=dtype)
     return q, k, v
+
+
+def fast_twin(mha: MultiHeadAttention) -> FastMultiHeadAttention:
+    """The same module (same weights) as its fast twin."""
+    return swap(mha, chosen(INFERENCE, "attention"))
 
 
 def numpy_attention(q, k, v, visible: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -150,9 +158,10 @@ def test_causal_attention_over_query_rows_equals_those_rows_of_the_full_pass(
     torch.manual_seed(5)
     mha = MultiHeadAttention(D_MODEL, H).eval()
     x = torch.randn(B, 9, D_MODEL)
-    full, full_w, _ = mha(x, causal=True, need_weights=True)
+    full, full_w = mha(x, causal=True, need_weights=True)
+    fast_twin(mha)
     for rows in (torch.tensor([[0, 3, 5], [1, 2, 8]]), torch.tensor([[2], [4]])):
-        out, w, _ = mha(x, causal=True, need_weights=need_weights, query_rows=rows)
+        out, w = mha(x, causal=True, need_weights=need_weights, query_rows=rows)
         expected = full.gather(1, rows[..., None].expand(-1, -1, D_MODEL))
         torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
         if need_weights:
@@ -203,7 +212,9 @@ def test_self_attention_equals_torch_multihead_attention(need_weights: bool) -> 
     ref = reference_mha(mha)
     x = torch.randn(B, 6, D_MODEL)
     with torch.no_grad():
-        out, w, (k, v) = mha(x, bias=padding_bias(MASK, x.dtype), need_weights=need_weights)
+        cache = KVCache(n_layers=1)  # holds the keys and values attended to
+        out, w = mha(x, bias=padding_bias(MASK, x.dtype), cache=cache, need_weights=need_weights)
+        k, v = cache.self_kv[0].kv
         # need_weights=True keeps PyTorch off its fused fast path (which zeroes padded rows)
         ref_out, ref_w = ref(
             x, x, x, key_padding_mask=MASK == 0, need_weights=True, average_attn_weights=False
@@ -223,7 +234,7 @@ def test_causal_self_attention_equals_torch_with_causal_mask() -> None:
     x = torch.randn(B, 5, D_MODEL)
     future = ~causal_mask(5, 5)  # True = not allowed, PyTorch's convention
     with torch.no_grad():
-        out, _, _ = mha(x, causal=True)
+        out, _ = mha(x, causal=True)
         ref_out, _ = ref(x, x, x, attn_mask=future, need_weights=True)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
 
@@ -235,7 +246,9 @@ def test_cross_attention_equals_torch_multihead_attention() -> None:
     ref = reference_mha(mha)
     x, memory = torch.randn(B, 4, D_MODEL), torch.randn(B, 6, D_MODEL)
     with torch.no_grad():
-        out, w, (k, v) = mha(x, memory, bias=padding_bias(MASK, x.dtype), need_weights=True)
+        cache = KVCache(n_layers=1)
+        out, w = mha(x, memory, bias=padding_bias(MASK, x.dtype), cache=cache, need_weights=True)
+        k, _ = cache.cross(0)
         ref_out, ref_w = ref(
             x,
             memory,
@@ -244,33 +257,38 @@ def test_cross_attention_equals_torch_multihead_attention() -> None:
             need_weights=True,
             average_attn_weights=False,
         )
-        # the returned memory keys/values, passed back as `past`, replace the memory
-        again, _, _ = mha(x, None, bias=padding_bias(MASK, x.dtype), past=(k, v))
+        # the cached memory keys/values replace the memory
+        again, _ = mha(x, None, bias=padding_bias(MASK, x.dtype), cache=cache)
     assert k.shape == (B, H, 6, D_HEAD)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(again, out, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("twin", [False, True])
 @pytest.mark.parametrize("q_len", [1, 4])
-def test_cross_attention_shared_by_groups_equals_repeated_memory(q_len: int) -> None:
-    # Beam search: the k beams of a sentence (consecutive rows) attend to one memory row.
+def test_cross_attention_shared_by_groups_equals_repeated_memory(q_len: int, twin: bool) -> None:
+    # Beam search: the k beams of a sentence (consecutive rows) attend to one memory row; the
+    # plain module repeats it per beam, the fast twin reads it in place.
     torch.manual_seed(3)
     mha = MultiHeadAttention(D_MODEL, H, cross=True).eval()
     group = 3
     x, memory = torch.randn(B * group, q_len, D_MODEL), torch.randn(B, 6, D_MODEL)
     bias = padding_bias(MASK, x.dtype)
     with torch.no_grad():
-        shared, w, (k, v) = mha(x, memory, bias=bias, need_weights=True)
-        copied, w_ref, _ = mha(
+        copied, w_ref = mha(
             x, memory.repeat_interleave(group, 0), bias=bias.repeat_interleave(group, 0),
             need_weights=True,
         )  # fmt: skip
-        fast, _, _ = mha(x, None, bias=bias, past=(k, v))
-    assert k.shape[0] == B  # the cache keeps one row per sentence
+        if twin:
+            fast_twin(mha)
+        cache = KVCache(n_layers=1)
+        shared, w = mha(x, memory, bias=bias, cache=cache, need_weights=True)
+        cached, _ = mha(x, None, bias=bias, cache=cache)
+    assert cache.cross(0)[0].shape[0] == B  # the cache keeps one row per sentence
     torch.testing.assert_close(shared, copied, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(fast, copied, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(cached, copied, atol=1e-6, rtol=1e-5)
     with pytest.raises(AttnlabError, match="share"):
         mha(torch.randn(B * group + 1, q_len, D_MODEL), memory)
 
@@ -278,25 +296,31 @@ def test_cross_attention_shared_by_groups_equals_repeated_memory(q_len: int) -> 
 # --- KV cache ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("twin", [False, True])
 @pytest.mark.parametrize("use_rope", [False, True])
-def test_token_by_token_with_past_equals_full_causal_pass(use_rope: bool) -> None:
+def test_token_by_token_with_a_cache_equals_full_causal_pass(use_rope: bool, twin: bool) -> None:
     torch.manual_seed(3)
     seq = 7
     mha = MultiHeadAttention(D_MODEL, H).eval()
+    if twin:
+        fast_twin(mha)
     rotary = RotaryPositions(D_HEAD)
     x = torch.randn(B, seq, D_MODEL)
     with torch.no_grad():
         full_rope = rotary.rotary(torch.arange(seq)) if use_rope else None
-        full, _, (k_full, v_full) = mha(x, causal=True, rope=full_rope)
-        past, steps = KVBuffer(), []
+        whole = KVCache(n_layers=1)  # only to read the keys and values of the full pass
+        full, _ = mha(x, causal=True, rope=full_rope, cache=whole)
+        k_full, v_full = whole.self_kv[0].kv
+        cache, steps = KVCache(n_layers=1), []
         for t in range(seq):
             rope = rotary.rotary(torch.tensor([t])) if use_rope else None
-            out, _, (k, v) = mha(x[:, t : t + 1], causal=True, rope=rope, past=past)
+            out, _ = mha(x[:, t : t + 1], causal=True, rope=rope, cache=cache)
             steps.append(out)
-            assert past.length == t + 1 and k.shape == v.shape == (B, H, t + 1, D_HEAD)
+            k, v = cache.self_kv[0].kv
+            assert cache.length == t + 1 and k.shape == v.shape == (B, H, t + 1, D_HEAD)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(past.kv[0], k_full, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(past.kv[1], v_full, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(cache.self_kv[0].kv[0], k_full, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(cache.self_kv[0].kv[1], v_full, atol=1e-6, rtol=1e-6)
 
 
 def test_kv_buffer_grows_and_reorders_like_cat_and_index_select() -> None:
@@ -375,10 +399,167 @@ def test_kv_cache_slots_length_and_reorder() -> None:
     assert cache.cross_kv[0][0].shape[0] == 4
 
 
-def test_past_of_the_wrong_kind_is_a_clear_error() -> None:
+def test_missing_keys_and_values_are_a_clear_error() -> None:
     x = torch.randn(2, 1, D_MODEL)
-    kv = (torch.randn(2, H, 3, D_HEAD), torch.randn(2, H, 3, D_HEAD))
-    with pytest.raises(AttnlabError, match="self-attention takes past as a KVBuffer"):
-        MultiHeadAttention(D_MODEL, H)(x, past=kv)
-    with pytest.raises(AttnlabError, match="cross-attention takes past as a"):
-        MultiHeadAttention(D_MODEL, H, cross=True)(x, past=KVBuffer())
+    with pytest.raises(AttnlabError, match="cross-attention needs memory or cached keys"):
+        MultiHeadAttention(D_MODEL, H, cross=True)(x, cache=KVCache(n_layers=1))
+    twin = fast_twin(MultiHeadAttention(D_MODEL, H))
+    with pytest.raises(AttnlabError, match="query_rows serves self-attention without a cache"):
+        twin(x, cache=KVCache(n_layers=1), query_rows=torch.zeros(2, 1, dtype=torch.long))
+
+
+# --- the fast twin in training: attention dropout ----------------------------------------------
+
+
+def test_fast_attention_dropout_equals_the_formula_with_the_same_mask() -> None:
+    # Training-mode attention on CPU: softmax(q k^T / sqrt(d) + bias), the mask's entries
+    # zeroed, the rest scaled, times v. The mask is redrawn from the same seed.
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 7, 8, generator=g) for _ in range(3))
+    keep = torch.ones(2, 7, dtype=torch.long)
+    keep[1, 5:] = 0
+    bias = padding_bias(keep, torch.float32)
+    torch.manual_seed(6)
+    out, _ = cpu_attention(q, k, v, bias, dropout_p=0.25)
+    torch.manual_seed(6)
+    drop = keep_mask((2, 3, 7, 7), 0.25, torch.device("cpu")) == 0
+    weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(8) + bias, dim=-1)
+    scale = 65536 / (65536 - round(0.25 * 65536))
+    expected = weights.masked_fill(drop, 0.0) * scale @ v
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("attention", [scaled_dot_product_attention, cpu_attention])
+def test_causal_attention_with_dropout_never_sees_the_future(attention) -> None:
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=g) for _ in range(3))
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 4:] += 10.0
+    v2[:, :, 4:] -= 10.0
+    torch.manual_seed(8)
+    a, _ = attention(q, k, v, causal=True, dropout_p=0.3)
+    torch.manual_seed(8)
+    b, _ = attention(q, k2, v2, causal=True, dropout_p=0.3)
+    torch.testing.assert_close(a[:, :, :4], b[:, :, :4])
+    assert not torch.allclose(a[:, :, 4:], b[:, :, 4:])
+
+
+@pytest.mark.parametrize("case", ["self", "padded", "causal", "cross"])
+def test_fast_training_attention_equals_plain_without_dropout(case: str) -> None:
+    # Values and gradients of the twin's training routes against the plain module, where the
+    # two draw no masks (they draw theirs differently: see the statistics test below).
+    g = torch.Generator().manual_seed(21)
+    plain = MultiHeadAttention(16, 4, dropout=0.0, cross=case == "cross").train()
+    twin = fast_twin(copy.deepcopy(plain))
+    x = torch.randn(3, 7, 16, generator=g, requires_grad=True)
+    memory = torch.randn(3, 5, 16, generator=g, requires_grad=True) if case == "cross" else None
+    keep = torch.ones(3, 5 if case == "cross" else 7, dtype=torch.long)
+    keep[1, 3:] = 0
+    bias = padding_bias(keep, torch.float32) if case in ("padded", "cross") else None
+    upstream = torch.randn(3, 7, 16, generator=g)
+    results = []
+    for mha in (plain, twin):
+        out, _ = mha(x, memory, bias, causal=case == "causal")
+        inputs = [x, *([memory] if memory is not None else []), *mha.parameters()]
+        results.append((out, torch.autograd.grad(out, inputs, upstream)))
+    (a, a_grads), (b, b_grads) = results
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for ga, gb in zip(a_grads, b_grads, strict=True):
+        torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-5)
+
+
+def test_fast_training_attention_dropout_has_the_plain_expectation() -> None:
+    # With dropout the plain module (PyTorch's mask) and the twin (fast dropout's mask) differ
+    # draw by draw; both are unbiased: their means over many draws approach the output
+    # without dropout, equally well.
+    torch.manual_seed(22)
+    plain = MultiHeadAttention(16, 4, dropout=0.3).train()
+    twin = fast_twin(copy.deepcopy(plain))
+    x = torch.randn(2, 6, 16)
+    with torch.no_grad():
+        expected, _ = plain.eval()(x)
+        plain.train()
+        errors = []
+        for mha in (plain, twin):
+            mean = sum(mha(x)[0] for _ in range(400)) / 400
+            errors.append((mean - expected).abs().mean().item())
+            assert not torch.allclose(mha(x)[0], expected)  # dropout is on
+    assert max(errors) < 0.02 and max(errors) < 2.5 * min(errors) + 0.005
+
+
+@pytest.mark.parametrize("case", ["self", "padded", "causal", "rows", "cross"])
+def test_training_attention_equals_the_explicit_path_with_the_same_mask(case: str) -> None:
+    # Training on CPU with attention dropout runs _DropoutAttention (projections in, heads
+    # merged out, its own backward pass); need_weights=True runs the explicit path, autograd
+    # over the formula. From the same seed they drop the same weights: same output, same
+    # gradients for the inputs and every weight.
+    g = torch.Generator().manual_seed(11)
+    mha = fast_twin(MultiHeadAttention(16, 4, dropout=0.2, cross=case == "cross").train())
+    x = torch.randn(3, 7, 16, generator=g, requires_grad=True)
+    memory = torch.randn(3, 5, 16, generator=g, requires_grad=True) if case == "cross" else None
+    keep = torch.ones(3, 5 if case == "cross" else 7, dtype=torch.long)
+    keep[1, 3:] = 0
+    bias = padding_bias(keep, torch.float32) if case in ("padded", "rows", "cross") else None
+    rows = torch.tensor([[0, 2], [1, 2], [0, 6]]) if case == "rows" else None
+    upstream = torch.randn(3, 2 if case == "rows" else 7, 16, generator=g)
+    results = []
+    for need_weights in (False, True):
+        torch.manual_seed(12)
+        out, weights = mha(
+            x, memory, bias, causal=case == "causal", need_weights=need_weights, query_rows=rows
+        )
+        assert (weights is None) != need_weights  # each call took the path meant
+        inputs = [x, *([memory] if memory is not None else []), *mha.parameters()]
+        results.append((out, torch.autograd.grad(out, inputs, upstream)))
+    (fused, fused_grads), (explicit, explicit_grads) = results
+    torch.testing.assert_close(fused, explicit, rtol=1e-5, atol=1e-6)
+    for a, b in zip(fused_grads, explicit_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_training_attention_trains_a_learned_bias() -> None:
+    # A learned score bias (T5's relative positions, broadcast over the batch) plus padding:
+    # _DropoutAttention gives it the explicit path's gradient (it once gave it none, so
+    # relative_bias tables never trained on CPU with attention dropout), also through
+    # query_rows, and in float64 the numerical one.
+    g = torch.Generator().manual_seed(15)
+    mha = fast_twin(MultiHeadAttention(16, 4, dropout=0.2).train())
+    x = torch.randn(3, 7, 16, generator=g)
+    learned = torch.randn(1, 4, 7, 7, generator=g, requires_grad=True)
+    keep = torch.ones(3, 7, dtype=torch.long)
+    keep[1, 4:] = 0
+    for rows in (None, torch.tensor([[0, 2], [1, 3], [0, 6]])):
+        upstream = torch.randn(3, 7 if rows is None else 2, 16, generator=g)
+        grads = []
+        for need_weights in (False, True):
+            torch.manual_seed(16)
+            bias = padding_bias(keep, torch.float32) + learned
+            out, weights = mha(x, bias=bias, need_weights=need_weights, query_rows=rows)
+            assert (weights is None) != need_weights
+            grads.append(torch.autograd.grad(out, learned, upstream)[0])
+        assert grads[0].abs().sum() > 0
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+    mha.double()
+    x64, learned64 = x.double(), learned.detach().double().requires_grad_()
+
+    def attend(table: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(17)
+        return mha(x64, bias=table)[0]
+
+    assert torch.autograd.gradcheck(attend, (learned64,))
+
+
+def test_training_attention_gradient_is_the_numerical_one() -> None:
+    # float64 central differences through _DropoutAttention, the mask drawn from one seed
+    # in every evaluation.
+    g = torch.Generator().manual_seed(13)
+    mha = fast_twin(MultiHeadAttention(8, 2, dropout=0.3).double().train())
+    x = torch.randn(2, 5, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = padding_bias(torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]), torch.float64)
+
+    def attend(x: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(14)
+        return mha(x, bias=bias)[0]
+
+    assert torch.autograd.gradcheck(attend, (x,))

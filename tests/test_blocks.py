@@ -6,6 +6,7 @@ move; perturb what must matter, see it move); cached decoding against the full p
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -14,7 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.nn.attention import KVCache, padding_bias
+from attnlab.decode.cache import KVCache
+from attnlab.fast import INFERENCE, TRAINING, chosen, swap
+from attnlab.fast.attention import FastEncoder, FastMultiHeadAttention
+from attnlab.nn.attention import padding_bias
 from attnlab.nn.blocks import Decoder, DecoderLayer, Encoder, EncoderLayer, FeedForward
 from attnlab.nn.positions import RotaryPositions, sinusoidal_table
 
@@ -273,3 +277,52 @@ def test_tiny_encoder_decoder_learns_to_copy(norm_position: str) -> None:
     assert losses[0] > 1.8  # about log(9) at the start
     assert losses[-1] < 0.5 * losses[0]
     assert sum(losses[-5:]) < sum(losses[:5])
+
+
+# --- the fast encoder: the last layer at the kept positions only -------------------------------
+
+
+@pytest.mark.parametrize("share_layers", [False, True])
+@pytest.mark.parametrize("use_rope", [False, True])
+@pytest.mark.parametrize("norm_position", NORMS)
+def test_fast_encoder_with_keep_equals_plain(
+    norm_position: str, use_rope: bool, share_layers: bool
+) -> None:
+    # The plain encoder computes every position and returns full[keep]; the twin computes only
+    # the kept rows in its last layer. Same values and gradients (no dropout, which the two
+    # would draw for different shapes).
+    torch.manual_seed(31)
+    plain = Encoder(
+        3, norm_position, share_layers=share_layers, **LAYER, dropout=0.0, attention_dropout=0.0
+    ).train()
+    twin = swap(copy.deepcopy(plain), chosen(TRAINING, "attention,kept_rows"))
+    assert isinstance(twin, FastEncoder)
+    x = torch.randn(3, 9, D_MODEL, requires_grad=True)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    keep = torch.rand(3, 9) < 0.4
+    keep[:, 0] = True
+    keep[2] = True  # one row keeps every position: the others' query lists are padded
+    rope = RotaryPositions(D_HEAD).rotary(torch.arange(9)) if use_rope else None
+    upstream = torch.randn(int(keep.sum()), D_MODEL)
+    results = []
+    for encoder in (plain, twin):
+        out, _, _ = encoder(x, bias=padding_bias(mask, x.dtype), rope=rope, keep=keep)
+        assert out.shape == (int(keep.sum()), D_MODEL)
+        results.append((out, torch.autograd.grad(out, [x, *encoder.parameters()], upstream)))
+    (a, a_grads), (b, b_grads) = results
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for ga, gb in zip(a_grads, b_grads, strict=True):
+        torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-5)
+
+
+def test_fast_encoder_layer_without_a_fast_attention_computes_every_row() -> None:
+    # kept_rows chosen alone: the layer cannot ask its plain attention for some rows, so it
+    # computes them all and keeps the rows asked for.
+    torch.manual_seed(32)
+    plain = Encoder(2, **LAYER, dropout=0.0).eval()
+    twin = swap(copy.deepcopy(plain), chosen(INFERENCE, "kept_rows"))
+    assert not isinstance(twin.layers[0].self_attn, FastMultiHeadAttention)
+    x, keep = torch.randn(2, 5, D_MODEL), torch.tensor([[1, 0, 1, 0, 0], [1, 1, 1, 1, 0]]) > 0
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x, keep=keep)[0], plain(x)[0][keep])

@@ -18,19 +18,15 @@ later targets. Greedy and beam search live in ``attnlab.decode``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.config import TransformerConfig
 from attnlab.errors import AttnlabError, check_id_range, check_token_batch
-from attnlab.nn.attention import KVCache, MultiHeadAttention, padding_bias
+from attnlab.nn.attention import Cache, MultiHeadAttention, padding_bias
 from attnlab.nn.blocks import Decoder, Encoder
-from attnlab.nn.dropout import Dropout
-from attnlab.nn.linear import Linear, linear, tied_weight
-from attnlab.nn.packed import PackedLinear, packed_linears
 from attnlab.nn.positions import PositionEncoding, build_position_encoding
 
 
@@ -76,7 +72,7 @@ class Transformer(nn.Module):
         self.embed_scale = math.sqrt(c.d_model)
         self.src_positions = self._positions(bidirectional=True)
         self.tgt_positions = self._positions(bidirectional=False)  # the decoder sees only the past
-        self.dropout = Dropout(c.dropout)
+        self.dropout = nn.Dropout(c.dropout)
         layer_args = dict(
             d_model=c.d_model,
             n_heads=c.n_heads,
@@ -88,8 +84,9 @@ class Transformer(nn.Module):
         )
         self.encoder = Encoder(c.n_encoder_layers, c.norm_position, **layer_args)
         self.decoder = Decoder(c.n_decoder_layers, c.norm_position, **layer_args)
-        self.output_proj = None if c.tie_output else Linear(c.d_model, c.tgt_vocab_size, bias=False)
-        self._tied_projection: PackedLinear | None = None  # set only inside packed()
+        self.output_proj = (
+            None if c.tie_output else nn.Linear(c.d_model, c.tgt_vocab_size, bias=False)
+        )
         self._init_weights()
 
     def _positions(self, bidirectional: bool) -> PositionEncoding:
@@ -187,7 +184,7 @@ class Transformer(nn.Module):
         tgt_ids: Tensor,
         memory: Tensor | None,
         src_mask: Tensor,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
     ) -> Tensor:
         """Decoder output (batch, tgt_len, d_model) before the vocabulary projection.
 
@@ -219,47 +216,24 @@ class Transformer(nn.Module):
         )
         return h
 
-    def project(self, hidden: Tensor, tied: Tensor | None = None) -> Tensor:
-        """Decoder output (..., d_model) -> logits (..., tgt_vocab_size); tied: see forward."""
+    def project(self, hidden: Tensor) -> Tensor:
+        """Decoder output (..., d_model) -> logits (..., tgt_vocab_size): x W_out^T, or x E^T when tied."""
         if self.output_proj is None:
-            if self._tied_projection is not None:
-                return self._tied_projection(hidden)
-            return linear(hidden, self.target_embedding.weight if tied is None else tied)  # E^T
+            return F.linear(hidden, self.target_embedding.weight)
         return self.output_proj(hidden)
-
-    @contextmanager
-    def packed(self) -> Iterator[None]:
-        """Within the block, every projection runs on weights packed once for CPU inference.
-
-        See attnlab.nn.packed; the weights must not change inside the block (decoding). A block
-        inside another packs nothing more: wrap a loop over batches to pack once for all.
-        """
-        outer = self._tied_projection is not None  # an enclosing block packed it already
-        with packed_linears(self):  # nests by itself
-            if self.output_proj is None and not outer:
-                self._tied_projection = PackedLinear(self.target_embedding.weight)
-            try:
-                yield
-            finally:
-                if not outer:
-                    self._tied_projection = None
 
     def decode(
         self,
         tgt_ids: Tensor,
         memory: Tensor | None,
         src_mask: Tensor,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
     ) -> Tensor:
         """Target ids (batch, tgt_len) + encoder output -> logits (batch, tgt_len, tgt_vocab_size).
 
         With a cache, tgt_ids holds only the new positions (see decode_hidden).
         """
         return self.project(self.decode_hidden(tgt_ids, memory, src_mask, cache))
-
-    def new_cache(self) -> KVCache:
-        """An empty key/value cache for incremental decoding (one slot per decoder layer)."""
-        return KVCache(self.config.n_decoder_layers)
 
     def forward(
         self,
@@ -287,18 +261,12 @@ class Transformer(nn.Module):
             )
         if src_mask is None:
             src_mask = src_ids != self.config.pad_id
-        # A tied projection's weight taken before the lookups: its gradient is summed in place.
-        tied = (
-            None
-            if tgt_out is None or self.output_proj is not None
-            else tied_weight(self.target_embedding.weight)
-        )
         memory = self.encode(src_ids, src_mask)
         hidden = self.decode_hidden(tgt_in, memory, src_mask)
         if tgt_out is None:
             return {"logits": self.project(hidden)}
         keep = tgt_out != self.config.pad_id
-        logits = self.project(hidden[keep], tied)  # (n_tokens, vocab)
+        logits = self.project(hidden[keep])  # (n_tokens, vocab)
         loss, nll = label_smoothed_cross_entropy(
             logits, tgt_out[keep], self.config.label_smoothing, self.config.pad_id
         )

@@ -11,17 +11,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.errors import AttnlabError
-from attnlab.nn.attention import KVCache, MultiHeadAttention, gather_rows
-from attnlab.nn.dropout import Dropout
-from attnlab.nn.linear import Linear
-from attnlab.nn.packed import PackedLinear
+from attnlab.nn.attention import Cache, MultiHeadAttention
 
 ACTIVATION_FUNCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,  # exact (erf) GELU, as BERT and HF's "gelu"
@@ -31,67 +25,57 @@ ACTIVATION_FUNCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
 
 
 class FeedForward(nn.Module):
-    """FFN(x) = act(x W1 + b1) W2 + b2, applied to each position alike."""
+    """FFN(x) = act(x W1 + b1) W2 + b2, eq. (2), applied to each position alike."""
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "relu") -> None:
         super().__init__()
-        self.fc1 = Linear(d_model, d_ff)
-        self.fc2 = Linear(d_ff, d_model)
+        self.fc1 = nn.Linear(d_model, d_ff)
+        self.fc2 = nn.Linear(d_ff, d_model)
         self.act = ACTIVATION_FUNCTIONS[activation]
 
     def forward(self, x: Tensor) -> Tensor:
         """(batch, seq, d_model) -> (batch, seq, d_model)."""
-        packed = self.fc1.__dict__.get("forward")  # set inside packed_linears (inference)
-        if self.act is F.relu and isinstance(packed, PackedLinear):
-            return self.fc2(packed(x, relu=True))  # ReLU applied as the product is written
         return self.fc2(self.act(self.fc1(x)))
 
 
-def add_and_norm(
-    x: Tensor, h: Tensor, dropout: Dropout, norm: nn.LayerNorm, pre_norm: bool
-) -> Tensor:
-    """The residual connection around a sublayer's output h: x + dropout(h), then LN if post-LN.
+class Residual(nn.Module):
+    """The residual connection around a sublayer, with dropout and LayerNorm (section 5.4).
 
-    (Pre-LN normalised the sublayer's input instead, so the sum is left as it is.)
-    """
-    x = dropout.residual(x, h)
-    return x if pre_norm else norm(x)
+    Post-LN (the paper, BERT): ``LayerNorm(x + Dropout(Sublayer(x)))``; pre-LN:
+    ``x + Dropout(Sublayer(LayerNorm(x)))``. A layer calls ``sublayer_input(x)``, runs the
+    sublayer on it, and passes its output h to ``forward(x, h)``.
 
-
-@dataclass(frozen=True)
-class KeptRows:
-    """The positions whose outputs a caller needs, e.g. BERT's masked tokens and [CLS].
-
-    ``index`` (batch, q) lists each sequence's kept positions in ascending order, padded with
-    other positions up to q, the largest count; ``valid`` (batch, q) marks the kept entries,
-    or is None when every sequence keeps q. ``flatten`` turns (batch, q, d) into the kept
-    rows (count, d) in the row-major order of the mask given to ``from_mask``, i.e.
-    ``full_output[mask]``.
+    The LayerNorm belongs to the layer (``norm1``, ``norm2``, ... in its state dict, as in
+    checkpoints and the HF mapping); this module holds a reference to it, not a copy.
     """
 
-    index: Tensor
-    valid: Tensor | None
+    def __init__(self, norm: nn.LayerNorm, dropout: float, pre_norm: bool) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self._norm = (norm,)  # in a tuple: not registered a second time as a submodule
+        self.pre_norm = pre_norm
 
-    @classmethod
-    def from_mask(cls, keep: Tensor) -> KeptRows:
-        """KeptRows of a boolean (batch, seq) mask that keeps at least one position."""
-        counts = keep.sum(1)
-        q = int(counts.max()) if keep.numel() else 0
-        if q == 0:
-            raise AttnlabError("keep selects no position: pass None to compute them all")
-        # A stable sort of "not kept" puts each row's kept positions first, in order.
-        index = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :q]
-        if bool((counts == q).all()):
-            return cls(index, None)
-        return cls(index, torch.arange(q, device=keep.device) < counts[:, None])
+    @property
+    def norm(self) -> nn.LayerNorm:
+        """The layer's LayerNorm for this sublayer."""
+        return self._norm[0]
 
-    def flatten(self, x: Tensor) -> Tensor:
-        """(batch, q, d) -> (count, d): the valid rows, sequence by sequence."""
-        return x.flatten(0, 1) if self.valid is None else x[self.valid]
+    def sublayer_input(self, x: Tensor) -> Tensor:
+        """What the sublayer reads: LayerNorm(x) in pre-LN, x itself in post-LN."""
+        return self.norm(x) if self.pre_norm else x
+
+    def add(self, x: Tensor, h: Tensor) -> Tensor:
+        """x + Dropout(h): the residual sum itself."""
+        return x + self.dropout(h)
+
+    def forward(self, x: Tensor, h: Tensor) -> Tensor:
+        """x (batch, seq, d_model) and the sublayer's output h (same shape) -> the layer's output."""
+        x = self.add(x, h)
+        return x if self.pre_norm else self.norm(x)
 
 
 class EncoderLayer(nn.Module):
-    """Self-attention then feed-forward, each wrapped in residual + LayerNorm (post or pre)."""
+    """Self-attention then feed-forward, each inside a residual connection (figure 1, left)."""
 
     def __init__(
         self,
@@ -105,12 +89,13 @@ class EncoderLayer(nn.Module):
         layer_norm_eps: float = 1e-5,
     ) -> None:
         super().__init__()
-        self.pre_norm = norm_position == "pre"
+        self.pre_norm = pre_norm = norm_position == "pre"
         self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.ffn = FeedForward(d_model, d_ff, activation)
         self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
-        self.dropout = Dropout(dropout)
+        self.attn_residual = Residual(self.norm1, dropout, pre_norm)
+        self.ffn_residual = Residual(self.norm2, dropout, pre_norm)
 
     def forward(
         self,
@@ -118,27 +103,16 @@ class EncoderLayer(nn.Module):
         bias: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         need_weights: bool = False,
-        rows: KeptRows | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """x (batch, seq, d_model) -> (same shape, attention weights (batch, heads, seq, seq) or None).
-
-        With ``rows`` only those positions are computed (they still attend to every position)
-        and the output is (number of kept positions, d_model), as ``KeptRows.flatten`` gives.
-        """
-        h = self.norm1(x) if self.pre_norm else x
-        h, weights, _ = self.self_attn(
-            h, bias=bias, rope=rope, need_weights=need_weights,
-            query_rows=None if rows is None else rows.index,
-        )  # fmt: skip
-        if rows is not None:
-            x, h = rows.flatten(gather_rows(x, rows.index)), rows.flatten(h)
-        x = add_and_norm(x, h, self.dropout, self.norm1, self.pre_norm)
-        h = self.ffn(self.norm2(x) if self.pre_norm else x)
-        return add_and_norm(x, h, self.dropout, self.norm2, self.pre_norm), weights
+        """x (batch, seq, d_model) -> (same shape, attention weights (batch, heads, seq, seq) or None)."""
+        h = self.attn_residual.sublayer_input(x)
+        h, weights = self.self_attn(h, bias=bias, rope=rope, need_weights=need_weights)
+        x = self.attn_residual(x, h)
+        return self.ffn_residual(x, self.ffn(self.ffn_residual.sublayer_input(x))), weights
 
 
 class DecoderLayer(nn.Module):
-    """Masked self-attention, cross-attention to the encoder output, feed-forward."""
+    """Masked self-attention, cross-attention to the encoder output, feed-forward (figure 1, right)."""
 
     def __init__(
         self,
@@ -152,14 +126,16 @@ class DecoderLayer(nn.Module):
         layer_norm_eps: float = 1e-5,
     ) -> None:
         super().__init__()
-        self.pre_norm = norm_position == "pre"
+        self.pre_norm = pre_norm = norm_position == "pre"
         self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.cross_attn = MultiHeadAttention(d_model, n_heads, attention_dropout, cross=True)
         self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.ffn = FeedForward(d_model, d_ff, activation)
         self.norm3 = nn.LayerNorm(d_model, eps=layer_norm_eps)
-        self.dropout = Dropout(dropout)
+        self.self_attn_residual = Residual(self.norm1, dropout, pre_norm)
+        self.cross_attn_residual = Residual(self.norm2, dropout, pre_norm)
+        self.ffn_residual = Residual(self.norm3, dropout, pre_norm)
 
     def forward(
         self,
@@ -168,7 +144,7 @@ class DecoderLayer(nn.Module):
         self_bias: Tensor | None = None,
         memory_bias: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         index: int = 0,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -176,27 +152,20 @@ class DecoderLayer(nn.Module):
 
         With a cache, x holds only the new positions; layer ``index``'s slots are read and updated.
         """
-        past = cache.self_kv[index] if cache is not None else None  # appended to in place
-        h = self.norm1(x) if self.pre_norm else x
-        h, self_w, _ = self.self_attn(
-            h, bias=self_bias, causal=True, rope=rope, past=past, need_weights=need_weights
-        )
-        x = add_and_norm(x, h, self.dropout, self.norm1, self.pre_norm)
-
-        past = cache.cross_kv[index] if cache is not None else None
-        h = self.norm2(x) if self.pre_norm else x
-        h, cross_w, kv = self.cross_attn(
-            h, memory=memory, bias=memory_bias, past=past, need_weights=need_weights
-        )
-        if cache is not None and past is None:
-            # Stored contiguous: per head, the (src, d_head) keys are one block, which every
-            # later step's matmul then reads in place instead of copying (kv_proj's output
-            # interleaves heads).
-            cache.cross_kv[index] = (kv[0].contiguous(), kv[1].contiguous())
-        x = add_and_norm(x, h, self.dropout, self.norm2, self.pre_norm)
-
-        h = self.ffn(self.norm3(x) if self.pre_norm else x)
-        return add_and_norm(x, h, self.dropout, self.norm3, self.pre_norm), self_w, cross_w
+        residual = self.self_attn_residual
+        h, self_w = self.self_attn(
+            residual.sublayer_input(x), bias=self_bias, causal=True, rope=rope, cache=cache,
+            layer=index, need_weights=need_weights,
+        )  # fmt: skip
+        x = residual(x, h)
+        residual = self.cross_attn_residual
+        h, cross_w = self.cross_attn(
+            residual.sublayer_input(x), memory, bias=memory_bias, cache=cache, layer=index,
+            need_weights=need_weights,
+        )  # fmt: skip
+        x = residual(x, h)
+        h = self.ffn(self.ffn_residual.sublayer_input(x))
+        return self.ffn_residual(x, h), self_w, cross_w
 
 
 class Encoder(nn.Module):
@@ -221,6 +190,10 @@ class Encoder(nn.Module):
         d_model, eps = layer_args["d_model"], layer_args.get("layer_norm_eps", 1e-5)
         self.final_norm = nn.LayerNorm(d_model, eps=eps) if norm_position == "pre" else None
 
+    def stack(self) -> list[EncoderLayer]:
+        """The layers in the order they run (a shared layer once per use)."""
+        return [layer for layer in self.layers for _ in range(self.repeats)]
+
     def forward(
         self,
         x: Tensor,
@@ -234,25 +207,20 @@ class Encoder(nn.Module):
 
         The bias (padding and positional) is built once by the caller and shared by all layers.
         ``keep`` (batch, seq, bool) asks for the final states of those positions only: the
-        last layer then computes just them and the last hidden state is ``full[keep]``,
-        (count, d_model). The layers below still run at every position, because the kept
-        positions attend to all of them.
+        last hidden state is then ``full[keep]``, (count, d_model).
         """
-        rows = KeptRows.from_mask(keep) if keep is not None else None
         hidden, weights = [], []
-        stack = [layer for layer in self.layers for _ in range(self.repeats)]
-        for i, layer in enumerate(stack):
+        for layer in self.stack():
             if output_hidden_states:
                 hidden.append(x)
-            last_rows = rows if i == len(stack) - 1 else None
-            x, w = layer(x, bias=bias, rope=rope, need_weights=need_weights, rows=last_rows)
+            x, w = layer(x, bias=bias, rope=rope, need_weights=need_weights)
             if need_weights:
                 weights.append(w)
         if self.final_norm is not None:
             x = self.final_norm(x)
         if output_hidden_states:
             hidden.append(x)
-        return x, hidden, weights
+        return (x if keep is None else x[keep]), hidden, weights
 
 
 class Decoder(nn.Module):
@@ -273,10 +241,13 @@ class Decoder(nn.Module):
         self_bias: Tensor | None = None,
         memory_bias: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         need_weights: bool = False,
     ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-        """Run every layer; returns (output, self-attention weights, cross-attention weights)."""
+        """Run every layer; returns (output, self-attention weights, cross-attention weights).
+
+        With a cache, x (batch, new, d_model) holds only the positions after ``cache.length``.
+        """
         self_ws, cross_ws = [], []
         for i, layer in enumerate(self.layers):
             x, sw, cw = layer(

@@ -29,7 +29,8 @@ from torch import Tensor
 
 from attnlab.errors import AttnlabError, check_token_batch
 from attnlab.models.seq2seq import Transformer
-from attnlab.nn.dropout import eval_mode
+from attnlab.decode.cache import KVCache
+from attnlab.nn.mode import eval_mode
 
 Batch = TypeVar("Batch")
 Result = TypeVar("Result")
@@ -44,7 +45,7 @@ def gnmt_length_penalty(length: Tensor | float, alpha: float) -> Tensor | float:
 def _eval_mode(model: Transformer) -> Iterator[None]:
     # Decoding must not drop out; restore the caller's mode afterwards (it may be training).
     # The weights are fixed while decoding, so the projections run on packed weights.
-    with eval_mode(model), torch.inference_mode(), model.packed():
+    with eval_mode(model), torch.inference_mode():
         yield
 
 
@@ -153,7 +154,7 @@ def greedy_search(
         rows = torch.arange(src_ids.shape[0], device=src_ids.device)  # sentence of each live row
         tokens = torch.full((len(rows), 1), cfg.bos_id, device=src_ids.device)  # (live, t + 1)
         outputs: list[list[int]] = [[] for _ in range(len(rows))]
-        cache = model.new_cache() if use_cache else None
+        cache = KVCache(model.config.n_decoder_layers) if use_cache else None
         step = 0
         while len(rows):
             new = tokens[:, -1:] if use_cache else tokens
@@ -219,7 +220,7 @@ def beam_search(
         best_tokens = torch.full(
             (n_sent, int(max_lens.max()) + 2), cfg.pad_id, dtype=torch.long, device=device
         )
-        cache = model.new_cache() if use_cache else None
+        cache = KVCache(model.config.n_decoder_layers) if use_cache else None
         ranks = torch.arange(2 * k, device=device)
         step = 0
         while len(sent):
