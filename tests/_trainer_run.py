@@ -78,6 +78,7 @@ def train(
     grad_accum: int = 1,
     dropout: float = 0.1,
     on_best=None,
+    speedups=None,
     **config: object,
 ) -> tuple[Trainer, dict]:
     """Build the tiny job and fit it; config overrides TrainConfig fields."""
@@ -97,7 +98,9 @@ def train(
     settings.update(config)
     train_config = TrainConfig(out_dir=out, steps=steps, grad_accum=grad_accum, **settings)
     evaluate = make_evaluate(make_data(32, seed=2))
-    trainer = Trainer(model, batches, train_config, evaluate=evaluate, on_best=on_best)
+    trainer = Trainer(
+        model, batches, train_config, evaluate=evaluate, on_best=on_best, speedups=speedups
+    )
     return trainer, trainer.fit()
 
 

@@ -1,10 +1,10 @@
-"""attnlab.cpu: fields of /proc/cpuinfo, read from files written the way Linux writes them."""
+"""attnlab.fast.route: fields of /proc/cpuinfo, read from files written the way Linux writes them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from attnlab.cpu import cpu_field, cpu_vendor, fast_bf16_matmul
+from attnlab.fast.route import cpu_field, cpu_vendor, describe_route, fast_bf16_matmul, route_line
 
 INTEL = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -48,3 +48,9 @@ def test_fast_bf16_products_from_vendor_and_flags(tmp_path: Path) -> None:
     without.write_text(INTEL)  # AVX-512 but neither avx512_bf16 nor amx_bf16
     assert fast_bf16_matmul(str(without)) is False
     assert fast_bf16_matmul(str(tmp_path / "missing")) is None  # not Linux: unknown
+
+
+def test_the_route_is_described_in_named_facts() -> None:
+    route = describe_route()
+    assert set(route) == {"cpu", "bf16", "products", "onednn", "device"}
+    assert route["products"] in ("oneDNN", "MKL") and route_line().startswith("route: cpu ")

@@ -1,4 +1,4 @@
-"""Dropout (attnlab.nn.dropout): the rate, the rescaling, the gradient, and dropout in attention.
+"""Fast dropout (attnlab.fast.dropout): the rate, the rescaling, the gradient, and dropout in attention.
 
 References: the definition of inverted dropout (drop with probability p, scale the rest by
 1 / (1 - p)), binomial tolerances for the rates, and eq. (1) of Vaswani et al. written out
@@ -13,8 +13,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.nn.attention import MultiHeadAttention, padding_bias, scaled_dot_product_attention
-from attnlab.nn.dropout import Dropout, add_dropout, dropout, keep_mask
+from attnlab import fast
+from attnlab.fast.attention import cpu_attention as scaled_dot_product_attention
+from attnlab.fast.dropout import FastDropout, FastResidual, add_dropout, dropout, keep_mask
+from attnlab.nn.attention import MultiHeadAttention, padding_bias
+from attnlab.nn.blocks import Residual
+
+
+def training_attention(*args: object, **kwargs: object) -> MultiHeadAttention:
+    """MultiHeadAttention(*args, **kwargs) in training mode with its fast twin swapped in."""
+    return fast.for_training(MultiHeadAttention(*args, **kwargs), "attention").train()
+
 
 N = 1 << 20  # elements: the rate is then known to about 3e-4 (one standard error at p = 0.1)
 
@@ -65,8 +74,8 @@ def test_gradient_is_masked_and_scaled_like_the_output() -> None:
 
 def test_evaluation_zero_and_one() -> None:
     x = torch.randn(8, 8)
-    module = Dropout(0.5).eval()
-    assert module(x) is x
+    module = fast.for_training(torch.nn.Dropout(0.5), "dropout").eval()
+    assert type(module) is FastDropout and module(x) is x
     assert dropout(x, 0.0) is x
     assert torch.equal(dropout(x, 1.0), torch.zeros_like(x))
     assert module.p == 0.5 and module.state_dict() == {}
@@ -136,8 +145,27 @@ def test_residual_sum_equals_x_plus_dropout_with_the_same_mask() -> None:
     (reference * upstream).sum().backward()
     torch.testing.assert_close(leaves[0].grad, upstream)  # the residual path: untouched
     torch.testing.assert_close(leaves[1].grad, leaves[3].grad, rtol=0, atol=1e-6)
-    module = Dropout(0.1).eval()  # evaluation: a plain sum
-    assert torch.equal(module.residual(x, h), x + h)
+    norm = torch.nn.LayerNorm(16)
+    module = fast.for_training(Residual(norm, 0.1, pre_norm=False), "residual").eval()
+    assert type(module) is FastResidual
+    assert torch.equal(module.add(x, h), x + h)  # evaluation: a plain sum
+
+
+def test_fast_dropout_and_residual_twins_equal_the_plain_modules_with_the_same_mask() -> None:
+    # The plain modules drop with F.dropout's mask; the twins with keep_mask's. Given the
+    # twin's mask, the plain formula x + h * keep / (1 - p) is what the twins compute.
+    g = torch.Generator().manual_seed(20)
+    x, h = torch.randn(3, 5, 8, generator=g), torch.randn(3, 5, 8, generator=g)
+    residual = fast.for_training(Residual(torch.nn.LayerNorm(8), 0.3, False), "residual,dropout")
+    assert type(residual) is FastResidual and type(residual.dropout) is FastDropout
+    torch.manual_seed(21)
+    keep = keep_mask(h.shape, 0.3, h.device)
+    scale = 65536 / (65536 - round(0.3 * 65536))
+    for run in (lambda: residual.add(x, h), lambda: x + residual.dropout(h)):
+        torch.manual_seed(21)
+        torch.testing.assert_close(run(), x + h * keep * scale, rtol=0, atol=1e-6)
+    fast.to_plain(residual)
+    assert type(residual) is Residual and type(residual.dropout) is torch.nn.Dropout
 
 
 @pytest.mark.parametrize("case", ["self", "padded", "causal", "rows", "cross"])
@@ -147,7 +175,7 @@ def test_training_attention_equals_the_explicit_path_with_the_same_mask(case: st
     # over the formula. From the same seed they drop the same weights: same output, same
     # gradients for the inputs and every weight.
     g = torch.Generator().manual_seed(11)
-    mha = MultiHeadAttention(16, 4, dropout=0.2, cross=case == "cross").train()
+    mha = training_attention(16, 4, dropout=0.2, cross=case == "cross")
     x = torch.randn(3, 7, 16, generator=g, requires_grad=True)
     memory = torch.randn(3, 5, 16, generator=g, requires_grad=True) if case == "cross" else None
     keep = torch.ones(3, 5 if case == "cross" else 7, dtype=torch.long)
@@ -158,7 +186,7 @@ def test_training_attention_equals_the_explicit_path_with_the_same_mask(case: st
     results = []
     for need_weights in (False, True):
         torch.manual_seed(12)
-        out, weights, _ = mha(
+        out, weights = mha(
             x, memory, bias, causal=case == "causal", need_weights=need_weights, query_rows=rows
         )
         assert (weights is None) != need_weights  # each call took the path meant
@@ -176,7 +204,7 @@ def test_training_attention_trains_a_learned_bias() -> None:
     # relative_bias tables never trained on CPU with attention dropout), also through
     # query_rows, and in float64 the numerical one.
     g = torch.Generator().manual_seed(15)
-    mha = MultiHeadAttention(16, 4, dropout=0.2).train()
+    mha = training_attention(16, 4, dropout=0.2)
     x = torch.randn(3, 7, 16, generator=g)
     learned = torch.randn(1, 4, 7, 7, generator=g, requires_grad=True)
     keep = torch.ones(3, 7, dtype=torch.long)
@@ -187,7 +215,7 @@ def test_training_attention_trains_a_learned_bias() -> None:
         for need_weights in (False, True):
             torch.manual_seed(16)
             bias = padding_bias(keep, torch.float32) + learned
-            out, weights, _ = mha(x, bias=bias, need_weights=need_weights, query_rows=rows)
+            out, weights = mha(x, bias=bias, need_weights=need_weights, query_rows=rows)
             assert (weights is None) != need_weights
             grads.append(torch.autograd.grad(out, learned, upstream)[0])
         assert grads[0].abs().sum() > 0
@@ -207,7 +235,7 @@ def test_training_attention_gradient_is_the_numerical_one() -> None:
     # float64 central differences through _DropoutAttention, the mask drawn from one seed
     # in every evaluation.
     g = torch.Generator().manual_seed(13)
-    mha = MultiHeadAttention(8, 2, dropout=0.3).double().train()
+    mha = training_attention(8, 2, dropout=0.3).double()
     x = torch.randn(2, 5, 8, dtype=torch.float64, generator=g, requires_grad=True)
     bias = padding_bias(torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]), torch.float64)
 

@@ -390,7 +390,7 @@ def test_pretraining_loss_and_every_gradient_match_hf(kept_grads, tmp_path):
     # the last layer only at the rows a loss reads, a summed cross-entropy of its own, the tied
     # table's gradient built from the lookups' rows. MLM (mean over masked tokens) + NSP must
     # still be HF BertForPreTraining's loss, and every gradient HF's (dropout off).
-    from attnlab.train.grads import kept_embedding_grads
+    from attnlab.fast.training import kept_embedding_grads
 
     config = hf_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     hf = randomized(transformers.BertForPreTraining(config))

@@ -1,4 +1,4 @@
-"""attnlab.nn.linear: the training products and gradients equal F.linear's (the reference)."""
+"""attnlab.fast.linear: the training products and gradients equal F.linear's (the reference)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import attnlab.nn.linear as linear_module
-from attnlab.nn.linear import Linear, _TrainingLinear, linear
-from attnlab.nn.packed import can_pack
+import attnlab.fast.linear as linear_module
+import attnlab.fast.route as route_module
+from attnlab.fast import swap, to_plain
+from attnlab.fast.linear import TrainingLinear, _TrainingLinear, can_pack, linear
+from attnlab.fast.speedups import SPEEDUPS
 
 
 @pytest.fixture(params=["onednn", "mkl"])
@@ -60,7 +62,7 @@ def test_training_route_serves_cpu_fp32_and_nothing_else(monkeypatch):
     x, w = torch.randn(3, 8), torch.randn(4, 8, requires_grad=True)
     linear(x, w)
     assert len(calls) == 1
-    with torch.no_grad():  # inference: F.linear (packed_linears is the fast inference path)
+    with torch.no_grad():  # inference: F.linear (PackedLinear is the fast inference twin)
         linear(x, w)
     linear(x, w.detach())  # nothing needs a gradient
     linear(x.double(), w.double())  # other dtypes: F.linear
@@ -70,14 +72,21 @@ def test_training_route_serves_cpu_fp32_and_nothing_else(monkeypatch):
     assert len(calls) == 1
 
 
-def test_linear_module_is_a_drop_in_nn_linear():
+def test_training_twin_is_a_drop_in_nn_linear(route):
     torch.manual_seed(0)
-    ours = Linear(8, 5)
     plain = torch.nn.Linear(8, 5)
-    plain.load_state_dict(ours.state_dict())  # same parameter names and shapes
+    ours = torch.nn.Linear(8, 5)
+    ours.load_state_dict(plain.state_dict())
+    swap(ours, [s for s in SPEEDUPS if s.name == "linear"])
+    assert type(ours) is TrainingLinear and isinstance(ours, torch.nn.Linear)
+    assert ours.state_dict().keys() == plain.state_dict().keys()
     x = torch.randn(2, 3, 8)
+    for module in (plain, ours):
+        module(x).square().sum().backward()
     torch.testing.assert_close(ours(x), plain(x))
-    assert isinstance(ours, torch.nn.Linear)
+    for a, b in zip(ours.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert type(to_plain(ours)) is torch.nn.Linear
 
 
 def test_the_route_decides_which_library_runs(monkeypatch, route):
@@ -99,13 +108,13 @@ def test_the_route_decides_which_library_runs(monkeypatch, route):
     ],
 )
 def test_onednn_on_amd_with_avx512_only(monkeypatch, vendor, flags, onednn):
-    monkeypatch.setattr(linear_module, "cpu_vendor", lambda: vendor)
-    monkeypatch.setattr(linear_module, "cpu_field", lambda name: flags if name == "flags" else "")
-    assert linear_module.onednn_trains_faster.__wrapped__() is onednn  # uncached
+    monkeypatch.setattr(route_module, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(route_module, "cpu_field", lambda name: flags if name == "flags" else "")
+    assert route_module.onednn_trains_faster.__wrapped__() is onednn  # uncached
 
 
 # bf16 autocast on a CPU without fast bf16 products: the same bf16 products by the fp32
-# kernel (nn/linear.py). The reference is autocast's own F.linear / matmul, PyTorch's bf16
+# kernel (fast/linear.py). The reference is autocast's own F.linear / matmul, PyTorch's bf16
 # kernel, which computes bf16 products on any CPU (emulated where the instructions are missing).
 BF16 = torch.bfloat16
 

@@ -1,19 +1,20 @@
-"""Linear layers on pre-packed weights (attnlab.nn.packed): equal to F.linear, used only where
-they may be, and gone after the block; decoding with them equals decoding without."""
+"""The inference twins on pre-packed weights (attnlab.fast.linear): equal to F.linear and to the
+plain modules, used only where they may be, and gone after the block; decoding with them
+equals decoding without."""
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnlab import fast
 from attnlab.config import TransformerConfig
 from attnlab.decode import beam_search
+from attnlab.fast.linear import PackedFeedForward, PackedLinear, can_pack
 from attnlab.models.seq2seq import Transformer
-from attnlab.nn.packed import PackedLinear, can_pack, packed_linears
+from attnlab.nn.blocks import FeedForward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,11 +29,26 @@ def tiny_transformer(tie_output: bool) -> Transformer:
     return Transformer(config).eval()
 
 
+def packed(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+    """An nn.Linear holding these values, swapped for its packed inference twin."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    fast.for_inference(layer, "packed")
+    assert type(layer) is PackedLinear
+    return layer
+
+
 def test_cpu_fp32_weights_are_packed_here() -> None:
     # The x86 CPU wheels of torch ship oneDNN: the fast path must really run in CI.
     weight = torch.randn(8, 4)
     assert can_pack(weight)
-    assert PackedLinear(weight).packed is not None
+    layer = packed(weight)
+    with torch.inference_mode():
+        layer(torch.randn(2, 4))
+    assert "_packed" in layer.__dict__
     assert not can_pack(weight.to(torch.bfloat16))
 
 
@@ -43,31 +59,47 @@ def test_packed_linear_equals_f_linear(shape: tuple[int, ...], with_bias: bool, 
     torch.manual_seed(0)
     weight, bias = torch.randn(300, 48), torch.randn(300) if with_bias else None
     x = torch.randn(*shape)
+    layer = packed(weight, bias)
     with torch.inference_mode():
-        got = PackedLinear(weight, bias)(x, relu=relu)
+        got = layer.product(x, relu=relu)
     want = F.linear(x, weight, bias)
     want = F.relu(want) if relu else want
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # the plain path (gradients on) applies the same ReLU
-    torch.testing.assert_close(PackedLinear(weight, bias)(x, relu=relu), want)
+    torch.testing.assert_close(layer.product(x, relu=relu).detach(), want.detach())
 
 
 def test_packed_linear_falls_back_where_gradients_are_needed() -> None:
     linear = nn.Linear(6, 4)
     x = torch.randn(3, 6, requires_grad=True)
-    y = PackedLinear(linear.weight, linear.bias)(x)
+    fast.for_inference(linear, "packed")
+    y = linear(x)
     y.sum().backward()  # the packed op has no backward: this must be the plain path
     torch.testing.assert_close(x.grad, linear.weight.sum(0).expand(3, -1))
     torch.testing.assert_close(linear.weight.grad, x.sum(0).expand(4, -1).detach())
     torch.testing.assert_close(linear.bias.grad, torch.full((4,), 3.0))
 
 
+def test_the_pack_follows_the_weight() -> None:
+    # Built on first use, rebuilt once the weight changes (a training step between evaluations).
+    layer = packed(torch.randn(5, 3))
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        layer(x)
+        first = layer.__dict__["_packed"]
+        layer(x)
+        assert layer.__dict__["_packed"] is first
+        layer.weight.mul_(2.0)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert layer.__dict__["_packed"] is not first
+
+
 def test_packed_linear_under_bf16_autocast_takes_linears_bf16_route(monkeypatch) -> None:
-    # Packed weights are fp32-only; under bf16 autocast a packed layer runs attnlab's linear(),
-    # which on a CPU without fast bf16 products computes them by the fp32 kernel
-    # (nn/linear.py), not PyTorch's slower bf16 kernel.
-    import attnlab.nn.linear as linear_module
+    # Packed weights are fp32-only; under bf16 autocast a packed layer runs fast/linear.py's
+    # linear(), which on a CPU without fast bf16 products computes them by the fp32 kernel,
+    # not PyTorch's slower bf16 kernel.
+    import attnlab.fast.linear as linear_module
 
     monkeypatch.setattr(linear_module, "fast_bf16_matmul", lambda: False)
     calls = []
@@ -76,55 +108,59 @@ def test_packed_linear_under_bf16_autocast_takes_linears_bf16_route(monkeypatch)
     layer = nn.Linear(6, 4)
     x = torch.randn(3, 6)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        y = PackedLinear(layer.weight, layer.bias)(x)
-        want = F.linear(x, layer.weight, layer.bias)  # autocast's own bf16 product
+        want = layer(x)  # autocast's own bf16 product
+        y = fast.for_inference(layer, "packed")(x)
     assert calls == [1] and y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), want.float(), rtol=2**-7, atol=1e-3)
 
 
-def test_packed_linears_patches_every_linear_and_restores_them() -> None:
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_packed_feed_forward_equals_the_plain_one(activation: str) -> None:
+    torch.manual_seed(0)
+    ffn = FeedForward(16, 40, activation)
+    x = torch.randn(2, 5, 16)
+    with torch.inference_mode():
+        want = ffn(x)
+        fast.for_inference(ffn, "packed,packed_relu")
+        assert type(ffn) is PackedFeedForward and type(ffn.fc1) is PackedLinear
+        torch.testing.assert_close(ffn(x), want, rtol=1e-5, atol=1e-5)
+    fast.to_plain(ffn)
+    assert type(ffn) is FeedForward and "_packed" not in ffn.fc1.__dict__
+
+
+def test_inference_twins_swap_every_linear_and_restore_them() -> None:
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
     x = torch.randn(4, 6)
     want = model(x)
-    with torch.inference_mode(), packed_linears(model):
-        assert all(isinstance(m.__dict__.get("forward"), PackedLinear) for m in model[::2])
+    with torch.inference_mode(), fast.inference_twins(model, "packed"):
+        assert all(type(m) is PackedLinear for m in model[::2])
         got = model(x)
-        outer = model[0].__dict__["forward"]
-        with packed_linears(model):  # nested: the outer packs stay, and stay after it
-            assert model[0].__dict__["forward"] is outer
-        assert model[0].__dict__["forward"] is outer
-    assert all("forward" not in m.__dict__ for m in model)
+    assert all(type(m) is nn.Linear and "_packed" not in m.__dict__ for m in model[::2])
     torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
     assert model(x).requires_grad  # training works again afterwards
 
 
+def test_inference_twins_give_training_twins_back() -> None:
+    model = nn.Sequential(nn.Linear(6, 3))
+    fast.for_training(model, "linear")
+    trained = type(model[0])
+    with fast.inference_twins(model, "packed"):
+        assert type(model[0]) is PackedLinear
+    assert type(model[0]) is trained
+
+
 @pytest.mark.parametrize("tie_output", [True, False])
-def test_transformer_logits_and_beam_search_unchanged_by_packing(
-    tie_output: bool, monkeypatch
+def test_transformer_logits_and_beam_search_unchanged_by_the_inference_twins(
+    tie_output: bool,
 ) -> None:
     model = tiny_transformer(tie_output)
     src = torch.randint(3, 40, (3, 7))
     tgt = torch.randint(3, 40, (3, 5))
     with torch.inference_mode():
         want = model(src, tgt)["logits"]
-        with model.packed():
-            assert (model._tied_projection is not None) == tie_output
+        plain_out = beam_search(model, src, beam_size=3)
+        with fast.inference_twins(model):
             got = model(src, tgt)["logits"]
-    assert model._tied_projection is None
+            fast_out = beam_search(model, src, beam_size=3)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-
-    # beam_search packs; the same search with packing switched off agrees.
-    packed_out = beam_search(model, src, beam_size=3)
-    monkeypatch.setattr(Transformer, "packed", lambda self: contextlib.nullcontext())
-    assert beam_search(model, src, beam_size=3) == packed_out
-
-
-def test_nested_packed_blocks_pack_once() -> None:
-    model = tiny_transformer(tie_output=True)
-    fc = model.decoder.layers[0].ffn.fc1
-    with model.packed():
-        outer, tied = fc.__dict__["forward"], model._tied_projection
-        with model.packed():  # e.g. beam_search called inside a loop that packed already
-            assert fc.__dict__["forward"] is outer and model._tied_projection is tied
-        assert fc.__dict__["forward"] is outer  # the inner block leaves the outer one's packs
-    assert "forward" not in fc.__dict__ and model._tied_projection is None
+    assert fast_out == plain_out

@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from torch import nn
 
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
+from attnlab.fast.training import KeptEmbeddingGrads, TrainingSpeedups, clipped_step
 from attnlab.models.bert import BertForPreTraining, BertModel
 from attnlab.train import (
     TensorBatches,
@@ -36,11 +36,9 @@ from attnlab.train import (
     build_optimizer,
     inverse_sqrt,
     linear_warmup_decay,
-    memory,
     read_rows,
     seed_everything,
 )
-from attnlab.train.grads import KeptEmbeddingGrads, clipped_step
 from attnlab.train.trainer import steps_within
 
 HELPER = Path(__file__).with_name("_trainer_run.py")
@@ -273,10 +271,10 @@ def test_bf16_runs_the_forward_pass_under_autocast(tmp_path: Path) -> None:
 def test_bf16_on_a_cpu_without_bf16_instructions_warns(
     tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, native
 ) -> None:
-    import attnlab.train.trainer as trainer_module
+    import attnlab.fast.training as training_module
 
-    monkeypatch.setattr(trainer_module, "fast_bf16_matmul", lambda: native)
-    train(tmp_path / "run", steps=1, precision="bf16", save_every=0)
+    monkeypatch.setattr(training_module, "fast_bf16_matmul", lambda: native)
+    train(tmp_path / "run", steps=1, precision="bf16", save_every=0, speedups=TrainingSpeedups())
     warned = "multiplies bf16 no faster than fp32" in capsys.readouterr().err
     assert warned == (native is False)  # unknown (not Linux): no warning
 
@@ -315,11 +313,17 @@ def test_kept_embedding_grads_train_like_fresh_dense_grads(
         return original(self, **batch)
 
     monkeypatch.setattr(TinyClassifier, "forward", forward)
-    _, fresh = train(tmp_path / "fresh", **common)
+    _, fresh = train(tmp_path / "fresh", speedups=TrainingSpeedups(), **common)
     assert sparse_seen == [False] * 10  # 16 x 16: below the size threshold, dense gradients
     monkeypatch.setattr(KeptEmbeddingGrads, "MIN_ELEMENTS", 1)
     sparse_seen.clear()
-    trainer, kept = train(tmp_path / "kept", **common)
+    train(tmp_path / "plain", **common)
+    assert sparse_seen == [False] * 10  # the plain trainer leaves the model's lookups alone
+    sparse_seen.clear()
+    train(tmp_path / "left-out", speedups=TrainingSpeedups("-embedding_grads"), **common)
+    assert sparse_seen == [False] * 10  # left out by name
+    sparse_seen.clear()
+    trainer, kept = train(tmp_path / "kept", speedups=TrainingSpeedups(), **common)
     assert sparse_seen == [True] * 10  # every training micro-batch looked up sparsely
     assert trainer.model.embed.sparse is False  # and the model is handed back as it came
     a, b = _weights(tmp_path / "fresh", 5), _weights(tmp_path / "kept", 5)
@@ -371,32 +375,16 @@ def test_kept_embedding_grads_equal_dense_ones(tied: bool, monkeypatch: pytest.M
                 torch.testing.assert_close(sparse[name], dense[name], atol=1e-12, rtol=1e-12)
         assert word.sparse
     assert not word.sparse
-    if tied:  # the decoder's dense gradient took the looked-up rows: no buffer needed
+    if tied:  # the decoder's dense gradient and the looked-up rows summed: no buffer needed
         assert id(word.weight) not in kept.buffers
-        # ... in place: no copy of the whole table when the two gradients are summed (fp32:
-        # the path training takes, where the decoder's gradient is a tensor of its own)
-        from torch.profiler import profile
-
-        fp32 = BertForPreTraining(config)
-        mask = (ids[0] != 0).long()
-        with KeptEmbeddingGrads(fp32), profile(record_shapes=True) as trace:
-            fp32(ids[0], mask, mlm_labels=labels[0], nsp_labels=torch.tensor([0, 1]))[
-                "loss"
-            ].backward()
-        table = [config.vocab_size, config.d_model]
-        copies = [e for e in trace.events() if e.name == "aten::copy_" and table in e.input_shapes]
-        assert copies == []
     else:  # the rows went into the one kept buffer, both steps
         assert stored[0] == stored[1] == kept.buffers[id(word.weight)].data_ptr()
 
 
-def test_tied_transformer_projection_takes_the_lookup_rows_in_place(
+def test_tied_transformer_projection_gets_the_lookup_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The translation model's tied output projection: same gradients with sparse lookups,
-    # and no copy of the whole table when autograd sums the two (nn/linear.py: tied_weight).
-    from torch.profiler import profile
-
+    # The translation model's tied output projection: same gradients with sparse lookups.
     from attnlab.config import TransformerConfig
     from attnlab.models.seq2seq import Transformer
 
@@ -410,21 +398,16 @@ def test_tied_transformer_projection_takes_the_lookup_rows_in_place(
     assert model.output_proj is None  # tied
     src, tgt = torch.randint(3, 60, (2, 9)), torch.randint(3, 60, (2, 7))
 
-    def gradient(trace: bool = False) -> tuple[torch.Tensor, list]:
-        loss = model(src, tgt[:, :-1], tgt[:, 1:])["loss"]
-        with profile(record_shapes=True) if trace else nullcontext() as recorded:
-            loss.backward()
+    def gradient() -> torch.Tensor:
+        model(src, tgt[:, :-1], tgt[:, 1:])["loss"].backward()
         grad = model.target_embedding.weight.grad
         model.zero_grad(set_to_none=True)
-        return grad, recorded.events() if trace else []
+        return grad
 
-    dense, _ = gradient()
+    dense = gradient()
     with KeptEmbeddingGrads(model):
-        sparse, events = gradient(trace=True)
+        sparse = gradient()
     torch.testing.assert_close(sparse, dense, atol=1e-6, rtol=1e-5)
-    table = [60, 16]
-    copies = [e for e in events if e.name == "aten::copy_" and table in e.input_shapes]
-    assert copies == []
 
 
 def test_kept_buffer_rows_zeroing_and_clipping_equal_torchs(
@@ -1062,6 +1045,7 @@ from pathlib import Path
 import torch
 sys.path.insert(0, sys.argv[1])
 from _trainer_run import train
+from attnlab.fast import TrainingSpeedups
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -1071,7 +1055,8 @@ class MallInfo2(ctypes.Structure):
 libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = MallInfo2
 with tempfile.TemporaryDirectory() as out:
-    train(Path(out) / "run", steps=1, save_every=0, eval_every=0)
+    speedups = None if sys.argv[2] == "plain" else TrainingSpeedups()
+    train(Path(out) / "run", steps=1, save_every=0, eval_every=0, speedups=speedups)
 before = libc.mallinfo2().hblkhd
 block = torch.empty(16 * 2**20)  # 64 MB: above any mmap threshold glibc picks by itself
 print(libc.mallinfo2().hblkhd - before)
@@ -1082,13 +1067,15 @@ print(libc.mallinfo2().hblkhd - before)
     sys.platform != "linux" or os.confstr("CS_GNU_LIBC_VERSION") is None,
     reason="glibc's malloc settings",
 )
-@pytest.mark.parametrize("setting", ["keep", "default"])
+@pytest.mark.parametrize("setting", ["keep", "default", "plain"])
 def test_the_trainer_keeps_large_blocks_in_the_heap_unless_told_not_to(setting: str) -> None:
     # A 64 MB tensor after training started: glibc maps it (and unmaps it when freed, so the
-    # next step faults it in again) unless the trainer told malloc to keep freed memory.
-    env = {**os.environ, "ATTNLAB_MALLOC": setting}
+    # next step faults it in again) unless the trainer's speed-ups told malloc to keep freed
+    # memory: not when keep_freed_memory is left out, nor for a trainer without speed-ups.
+    speedups = "-keep_freed_memory" if setting == "default" else "all"
+    env = {**os.environ, "ATTNLAB_SPEEDUPS": speedups}
     child = subprocess.run(
-        [sys.executable, "-c", _MAPPED_BYTES, str(Path(__file__).parent)],
+        [sys.executable, "-c", _MAPPED_BYTES, str(Path(__file__).parent), setting],
         env=env, capture_output=True, text=True, timeout=300, check=True,
     )  # fmt: skip
     mapped = int(child.stdout.strip().splitlines()[-1])
@@ -1098,11 +1085,10 @@ def test_the_trainer_keeps_large_blocks_in_the_heap_unless_told_not_to(setting: 
         assert mapped >= 64 * 2**20
 
 
-def test_an_unknown_allocator_setting_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memory, "_applied", False)
-    monkeypatch.setenv("ATTNLAB_MALLOC", "off")
-    with pytest.raises(AttnlabError, match="ATTNLAB_MALLOC must be 'keep' or 'default'"):
-        memory.keep_freed_memory()
+def test_an_unknown_speedup_name_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNLAB_SPEEDUPS", "-keep_memory")
+    with pytest.raises(AttnlabError, match="unknown speed-up keep_memory: choose from"):
+        TrainingSpeedups()
 
 
 class _NumpyStateBatches(TensorBatches):

@@ -25,6 +25,7 @@ from attnlab.fast.swap import (
     swapped,
     to_plain,
 )
+from attnlab.fast.training import TrainingSpeedups
 
 
 def for_training(model: nn.Module, names: str | None = None) -> nn.Module:
@@ -49,6 +50,7 @@ __all__ = [
     "INFERENCE",
     "TRAINING",
     "Speedup",
+    "TrainingSpeedups",
     "chosen",
     "describe_route",
     "for_inference",

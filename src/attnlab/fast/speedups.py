@@ -10,6 +10,7 @@ from attnlab.fast.linear import PackedFeedForward, PackedLinear, TrainingLinear
 from attnlab.fast.loss import BlockedCrossEntropy, BlockedKLDivergence
 from attnlab.fast.route import has_onednn
 from attnlab.fast.swap import INFERENCE, TRAINING, Speedup
+from attnlab.fast.training import TRAINER_SPEEDUPS
 from attnlab.nn.attention import MultiHeadAttention
 from attnlab.nn.blocks import Encoder, EncoderLayer, FeedForward, Residual
 from attnlab.nn.loss import SummedCrossEntropy, SummedKLDivergence
@@ -51,6 +52,7 @@ SPEEDUPS: list[Speedup] = [
         "kl_divergence", SummedKLDivergence, BlockedKLDivergence, (TRAINING,), _always,
         "CPU distillation KL a block of rows at a time, no whole log-softmaxes kept",
     ),
+    *TRAINER_SPEEDUPS,  # not modules: given to the trainer (fast/training.py)
     # Attention and the encoder stack (fast/attention.py).
     Speedup(
         "attention", MultiHeadAttention, FastMultiHeadAttention, (TRAINING, INFERENCE), _always,

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab import fast
 from attnlab.errors import AttnlabError
 from attnlab.models.bert import BertForPreTraining, BertModel, cls_only
-from attnlab.nn.dropout import eval_mode
-from attnlab.nn.packed import packed_linears
+from attnlab.nn.mode import eval_mode
 from attnlab.text.tokenizer import BertTokenizer, Encoding
 
 POOLINGS = ("mean", "cls", "none")
@@ -125,8 +125,8 @@ def embed(
     results: list[Tensor | None] = [None] * len(encodings)
     device = next(model.parameters()).device  # the batches go where the model is (a GPU)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
-    # fp32 runs on weights packed once for every batch (bf16 autocast takes the plain path).
-    with eval_mode(model), packed_linears(model) if dtype is None else nullcontext():
+    # The inference twins (fp32: weights packed once for every batch) while it runs.
+    with eval_mode(model), fast.inference_twins(model):
         for batch in length_batches(encodings, tokenizer.pad_id, max_tokens, max_batch):
             ids, mask, types = (
                 t.to(device) for t in (batch.input_ids, batch.attention_mask, batch.token_type_ids)

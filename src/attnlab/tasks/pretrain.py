@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnlab import fast
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.interop.hf import load_bert, save_bert, weight_names
 from attnlab.io import check_input_file, clear_dir, contents
 from attnlab.models.bert import BertForPreTraining
-from attnlab.nn.dropout import eval_mode
-from attnlab.nn.packed import packed_linears
+from attnlab.nn.mode import eval_mode
 from attnlab.tasks.job import Job, publish, run_job
 from attnlab.text.corpus_cache import TokenizedCorpus
 from attnlab.text.masking import MaskingCollator, static_generator
@@ -196,7 +196,7 @@ def evaluation(
             "nsp_count": 0,
         }
         device = next(model.parameters()).device
-        with packed_linears(model):  # weights packed once for every batch
+        with fast.inference_twins(model):  # e.g. weights packed once for every batch
             for batch in batches:
                 batch = {k: v.to(device) for k, v in batch.items()}
                 out = model(**batch)
@@ -483,7 +483,8 @@ class PretrainJob(Job):
 
     def trainer(self) -> Trainer:
         """The shared trainer on the masked batches, scoring the held-out examples."""
-        return Trainer(self.model, self.data.batches, self.config, self.data.evaluate)
+        model, speedups = fast.for_training(self.model), fast.TrainingSpeedups()
+        return Trainer(model, self.data.batches, self.config, self.data.evaluate, speedups=speedups)
 
     def publish(self, trainer: Trainer, summary: dict[str, Any]) -> dict[str, Any]:
         """The trained model in --out, an HF checkpoint with its tokenizer."""

@@ -31,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
+from attnlab import fast
 from attnlab.config import TRANSFORMER_PRESETS, TransformerConfig
 from attnlab.decode import MAX_BEAM, check_search_options, translate_batches
 from attnlab.errors import AttnlabError, first_line
@@ -612,7 +613,8 @@ class TranslationJob(Job):
 
         on_best = keep_best if config.best_metric is not None else None
         self.evaluate = evaluate
-        return Trainer(self.model, data.batches, config, evaluate, on_best=on_best)
+        model, speedups = fast.for_training(self.model), fast.TrainingSpeedups()
+        return Trainer(model, data.batches, config, evaluate, on_best=on_best, speedups=speedups)
 
     def publish(self, trainer: Trainer, summary: dict[str, Any]) -> dict[str, Any]:
         """model.safetensors in --out: the last checkpoints' average, or the final weights."""

@@ -30,7 +30,6 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from attnlab.cpu import fast_bf16_matmul
 from attnlab.errors import AttnlabError
 from attnlab.io import (
     check_out_location,
@@ -57,9 +56,8 @@ from attnlab.train.distributed import (
     init_distributed,
     raise_together,
 )
-from attnlab.train.grads import clipped_step, kept_embedding_grads
+from attnlab.train.hooks import TrainerHooks
 from attnlab.train.log import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss_curve
-from attnlab.train.memory import keep_freed_memory
 from attnlab.train.optim import build_optimizer, build_scheduler
 
 CHECKPOINT_DIR = "checkpoints"
@@ -210,10 +208,10 @@ class Trainer:
     only rank 0 writes files or shows progress. While ``fit()`` runs, another run into
     ``config.out_dir`` is refused (hold_run_out).
 
-    For the whole process, not just the run: ``fit()`` seeds Python's, numpy's and torch's
-    global generators with ``config.seed``, and the trainer tells glibc's malloc to keep
-    freed memory (train/memory.py; ``ATTNLAB_MALLOC=default`` before it opts out). The model
-    is left in training mode.
+    ``speedups`` (train/hooks.py; the jobs pass fast/training.py's TrainingSpeedups) may change
+    how the loop runs and how the clipped optimiser step is taken; without it the trainer is
+    plain PyTorch. For the whole process, not just the run: ``fit()`` seeds Python's, numpy's
+    and torch's global generators with ``config.seed``. The model is left in training mode.
     """
 
     def __init__(
@@ -225,9 +223,10 @@ class Trainer:
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         on_best: OnBest | None = None,
+        speedups: TrainerHooks | None = None,
     ) -> None:
         self.config = config
-        keep_freed_memory()  # no page faults for each step's large temporaries (train/memory.py)
+        self.speedups = speedups or TrainerHooks()
         if config.best_metric is not None and evaluate is None:
             raise AttnlabError("train: best_metric needs an evaluate function")
         if on_best is not None and config.best_metric is None:
@@ -241,14 +240,6 @@ class Trainer:
         self.rank, self.world_size, local_rank = init_distributed()
         self.is_main = self.rank == 0
         self.device = _resolve_device(config.device, local_rank)
-        cpu_bf16 = config.precision == "bf16" and self.device.type == "cpu"
-        if cpu_bf16 and self.is_main and fast_bf16_matmul() is False:  # nn/linear.py: bf16_by_fp32
-            print(
-                "note: this CPU multiplies bf16 no faster than fp32 (it has no AMX, nor AMD's "
-                "avx512_bf16): --precision bf16 computes its bf16 products with the fp32 "
-                "kernel here, so it is no faster than fp32",
-                file=sys.stderr,
-            )
         self.model = model.to(self.device)
         self.batches = batches
         self.batches.set_rank(self.rank, self.world_size)
@@ -272,10 +263,6 @@ class Trainer:
             # Compiled around DDP (not inside it) so DDP's gradient hooks still see every bucket;
             # checkpoints keep reading self.model, whose parameter names compile leaves alone.
             self.network = torch.compile(self.network)
-        # No fresh embedding-gradient buffer each step (CPU, one process, eager; train/grads.py).
-        self._embedding_grads = kept_embedding_grads(
-            self.model, compiled=config.compile, distributed=self.world_size > 1
-        )
         self.step = 0
         self.tokens_seen = 0
         self.checkpoint_root = config.out_dir / CHECKPOINT_DIR
@@ -317,7 +304,7 @@ class Trainer:
             disable=not (cfg.progress and self.is_main),
         )
         try:
-            with _sigterm_as_interrupt(), self._embedding_grads or contextlib.nullcontext():
+            with _sigterm_as_interrupt(), self.speedups.running(self):
                 self.model.train()
                 # Decided once a step: a clock that runs out during the logging, evaluation or
                 # saving after a step would otherwise end the loop with no final checkpoint.
@@ -416,8 +403,8 @@ class Trainer:
                 values[key] = values[key] + value if key in values else value
         max_norm = cfg.clip_norm if cfg.clip_norm else math.inf
         self._last_lr = self.optimizer.param_groups[0]["lr"]  # the lr this step used
-        values["grad_norm"] = clipped_step(
-            self.optimizer, self.model.parameters(), max_norm, self._embedding_grads
+        values["grad_norm"] = self.speedups.clipped_step(
+            self.optimizer, self.model.parameters(), max_norm
         )
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,34 +1,53 @@
-"""Embedding gradients without a fresh (vocab, width) buffer each step (a CPU speed measure).
+"""The trainer's speed-ups that are not modules: kept embedding gradients, clipping inside
+the optimiser's step, freed memory kept by glibc. ``TrainingSpeedups`` hands them to the
+trainer (train/hooks.py), each on unless ``ATTNLAB_SPEEDUPS`` leaves it out by name.
 
-A lookup's dense gradient is a fresh (vocab, width) tensor every backward pass: zero-filled,
-then the looked-up rows added in. On CPU, glibc hands a freed buffer that large (above its
-mmap threshold, at most 32 MB) back to the operating system, so every step page-faults it in
-again: for 30,522 x 384 floats about 40 ms against about 5 ms to zero a buffer that is kept
-(one thread), a sizeable share of a fine-tuning step on short sentences. HF transformers pays
-it every step.
+Embedding gradients ("embedding_grads"). A lookup's dense gradient is a fresh (vocab, width)
+tensor every backward pass: zero-filled, then the looked-up rows added in. On CPU, glibc hands
+a freed buffer that large back to the operating system, so every step page-faults it in again.
+While training, the large embeddings' lookups send sparse gradients (the looked-up rows) and a
+hook moves them into a dense buffer kept from step to step; where a dense gradient reaches the
+same weight (a tied output projection) autograd sums the two. Either way the optimiser,
+clipping and checkpoints see the same dense ``.grad`` as before; only where it is stored
+changes. A kept buffer is zero outside the rows this step's lookups touched, and the buffer
+knows which: the next step zeroes only those rows, and the clipping reads and scales only
+those rows instead of the whole table.
 
-While training, the large embeddings' lookups send sparse gradients (the looked-up rows).
-Where a dense gradient reaches the same weight in that backward pass (a tied output
-projection), autograd adds the rows into it in place if they arrive first (it copies the
-table otherwise: models take such a weight through nn/linear.py's tied_weight); where the rows are all there is, a hook
-moves them into a dense buffer kept from step to step. Either way the optimiser, clipping and
-checkpoints see the same dense ``.grad`` as before; only where it is stored changes.
+Clipping in the step ("clip_in_step"): fused Adam and AdamW divide the gradients by their
+``grad_scale`` as they read them, so clipping costs no pass of its own (clipped_step).
 
-A kept buffer is zero outside the rows this step's lookups touched (a few hundred of a
-vocabulary's tens of thousands), and the buffer knows which: the next step zeroes only those
-rows, and the clipping (``clipped_step``) reads and scales only those rows instead of the
-whole table (whose norm and scaling are otherwise a pass each over it, every step).
+Freed memory kept ("keep_freed_memory"). glibc serves requests above its mmap threshold with
+fresh mappings and returns them when freed, and trims freed memory at the top of its heap. A
+training step allocates and frees the same large buffers every step (feed-forward activations
+and their gradients, the MLM logits, the word-embedding gradient), so every step faults those
+pages in again, each one zeroed by the kernel. With ``mallopt`` set here freed memory stays in
+the heap for the next step. The process holds on to its peak memory instead (and more: the
+temporaries differ in size from step to step, so freed blocks are split and the heap grows
+around them); handing free pages back periodically cost more speed than it saved.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import math
-from collections.abc import Iterable
+import platform
+import sys
+from collections.abc import Iterable, Iterator
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+
+from attnlab.fast.route import fast_bf16_matmul
+from attnlab.fast.swap import TRAINING, Speedup, chosen
+from attnlab.train.hooks import TrainerHooks
+
+if TYPE_CHECKING:
+    from attnlab.train.trainer import Trainer
 
 
 class KeptEmbeddingGrads:
@@ -141,10 +160,8 @@ def _total_norm(pairs: list[tuple[Tensor, Tensor | None]]) -> Tensor:
 def _squared_norm(g: Tensor) -> Tensor:
     """sum(g ** 2) as a 0-d tensor of g's dtype (BLAS dot for contiguous CPU fp32 gradients).
 
-    The dot product reads each gradient at full memory speed: bert-small's 62 gradients took
-    3.2-5.1 ms against 7.5-9.2 ms with ``linalg.vector_norm`` (2-core Xeon, timed alone;
-    bench/step_parts.py); both sum in fp32, and the dot's total was the closer to float64's
-    in both samples measured.
+    The dot product reads each gradient at full memory speed, faster than
+    ``linalg.vector_norm`` (bench/step_parts.py); both sum in fp32.
     """
     if g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous():
         flat = g.view(-1)
@@ -176,18 +193,18 @@ def clipped_step(
     parameters: Iterable[Tensor],
     max_norm: float,
     kept: KeptEmbeddingGrads | None,
+    in_step: bool = True,
 ) -> Tensor:
     """optimizer.step() on gradients clipped to a total 2-norm of max_norm; the norm before.
 
     PyTorch's fused Adam and AdamW divide each gradient by their ``grad_scale`` (there for
     mixed-precision loss scaling) as they read it: given 1 / the clipping factor they clip
-    in the same pass, and the separate pass that scales every gradient in place (3.5 ms for
-    bert-small's 29M gradients timed alone, 2-core Xeon) is not needed. Other optimizers get
-    the gradients scaled first.
+    in the same pass (``in_step``), and the separate pass that scales every gradient in place
+    is not needed. Other optimizers get the gradients scaled first.
     """
     pairs = _grads_and_rows(parameters, kept)
     total = _total_norm(pairs)
-    if max_norm < math.inf and pairs and _takes_grad_scale(optimizer):
+    if max_norm < math.inf and pairs and in_step and _takes_grad_scale(optimizer):
         optimizer.grad_scale = _clip_coefficient(total, max_norm).reciprocal()
         try:
             optimizer.step()
@@ -198,3 +215,87 @@ def clipped_step(
         _scale_(pairs, _clip_coefficient(total, max_norm))
     optimizer.step()
     return total
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's malloc.h
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Make glibc malloc reuse freed memory (no per-step page faults); True where it is in effect.
+
+    For the whole process, once; False off glibc.
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    # Every request from the heap (glibc still maps memory when the heap cannot grow), and the
+    # heap trimmed only when more than 2 GB (mallopt takes a C int) lie free at its top.
+    return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def _glibc() -> bool:
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+def _always() -> bool:
+    return True
+
+
+TRAINER_SPEEDUPS = [
+    Speedup(
+        "embedding_grads", None, None, (TRAINING,), _always,
+        "CPU: large embeddings' gradients as sparse rows into a dense buffer kept across steps",
+    ),
+    Speedup(
+        "clip_in_step", None, None, (TRAINING,), _always,
+        "gradient clipping through fused AdamW's grad_scale, no pass of its own",
+    ),
+    Speedup(
+        "keep_freed_memory", None, None, (TRAINING,), _glibc,
+        "glibc malloc keeps freed memory for the next step (process-wide; glibc only)",
+    ),
+]  # fmt: skip
+
+
+class TrainingSpeedups(TrainerHooks):
+    """The trainer's speed-ups that ``names`` (default: ATTNLAB_SPEEDUPS) selects and apply here."""
+
+    def __init__(self, names: str | None = None) -> None:
+        self.names = {s.name for s in chosen(TRAINING, names)}
+        self.kept: KeptEmbeddingGrads | None = None
+
+    @contextlib.contextmanager
+    def running(self, trainer: Trainer) -> Iterator[None]:
+        """Around fit()'s loop: malloc settings, kept embedding gradients, a note on bf16."""
+        if "keep_freed_memory" in self.names:
+            keep_freed_memory()
+        on_cpu = trainer.device.type == "cpu"
+        if trainer.config.precision == "bf16" and on_cpu and trainer.is_main:
+            _note_bf16()
+        if "embedding_grads" in self.names:
+            compiled, distributed = trainer.config.compile, trainer.world_size > 1
+            self.kept = kept_embedding_grads(trainer.model, compiled, distributed)
+        try:
+            with self.kept or contextlib.nullcontext():
+                yield
+        finally:
+            self.kept = None
+
+    def clipped_step(
+        self, optimizer: torch.optim.Optimizer, parameters: Iterable[Tensor], max_norm: float
+    ) -> Tensor:
+        """optimizer.step() on clipped gradients (clipped_step); the norm before."""
+        return clipped_step(
+            optimizer, parameters, max_norm, self.kept, in_step="clip_in_step" in self.names
+        )
+
+
+def _note_bf16() -> None:
+    if fast_bf16_matmul() is False:  # fast/linear.py: bf16_by_fp32
+        print(
+            "note: this CPU multiplies bf16 no faster than fp32 (it has no AMX, nor AMD's "
+            "avx512_bf16): --precision bf16 computes its bf16 products with the fp32 "
+            "kernel here, so it is no faster than fp32",
+            file=sys.stderr,
+        )
