@@ -581,14 +581,15 @@ def test_compiled_pretraining_step_equals_eager_with_dropout() -> None:
 
 def test_bf16_pretraining_by_the_fp32_kernel_equals_autocasts_own(monkeypatch) -> None:
     # On a CPU without fast bf16 products attnlab computes autocast's bf16 products with
-    # the fp32 kernel (nn/linear.py). A whole BERT forward and backward (with attention
+    # the fp32 kernel (fast/linear.py). A whole BERT forward and backward (with attention
     # dropout: the explicit path's matmuls) must then give what PyTorch's bf16 kernels give,
     # up to bf16 roundings of sums taken in another order: within one bf16 epsilon (2^-8)
     # relative, and far nearer to them than fp32 is (no rounding to bf16). Measured: 2e-7
     # relative at most on a Xeon; on a Zen without AVX-512, whose bf16 kernels are PyTorch's
     # own, 1.7e-3 at most, 0.2x fp32's distance.
-    import attnlab.nn.linear as linear_module
+    import attnlab.fast.linear as linear_module
     from attnlab.config import BertConfig
+    from attnlab.fast import for_training
     from attnlab.models.bert import BertForPreTraining
 
     synthetic_batch = _bench_common().synthetic_batch
@@ -596,7 +597,7 @@ def test_bf16_pretraining_by_the_fp32_kernel_equals_autocasts_own(monkeypatch) -
     torch.manual_seed(0)
     config = BertConfig(vocab_size=300, d_model=64, n_layers=2, n_heads=4, d_ff=128, dropout=0.1)
     config.attention_dropout = 0.1
-    model = BertForPreTraining(config).train()
+    model = for_training(BertForPreTraining(config).train())
     batch = synthetic_batch(config.vocab_size, 4, 32)
     calls, results = [], []
     apply = linear_module._Bf16MatMul.apply
@@ -622,7 +623,7 @@ def test_bf16_pretraining_by_the_fp32_kernel_equals_autocasts_own(monkeypatch) -
 
 def test_held_out_scores_are_the_same_on_packed_weights(corpus, vocab, tmp_path, monkeypatch):
     # The periodic evaluation runs the model on weights packed once per evaluation
-    # (nn/packed.py); its metrics must be those of the plain layers, to float rounding.
+    # (fast/linear.py: PackedLinear); its metrics must be those of the plain layers, to float rounding.
     import contextlib
 
     import attnlab.tasks.pretrain as pretrain_module
@@ -640,13 +641,13 @@ def test_held_out_scores_are_the_same_on_packed_weights(corpus, vocab, tmp_path,
     config = BertConfig.preset("bert-tiny", vocab_size=tokenizer.vocab_size, max_positions=32)
     model = BertForPreTraining(config).eval()
     entered = []
-    packing = pretrain_module.packed_linears
+    packing = pretrain_module.fast.inference_twins
     monkeypatch.setattr(
-        pretrain_module, "packed_linears", lambda m: entered.append(1) or packing(m)
+        pretrain_module.fast, "inference_twins", lambda m: entered.append(1) or packing(m)
     )
     with torch.no_grad():
         packed = evaluate(model)
-    monkeypatch.setattr(pretrain_module, "packed_linears", lambda m: contextlib.nullcontext())
+    monkeypatch.setattr(pretrain_module.fast, "inference_twins", lambda m: contextlib.nullcontext())
     with torch.no_grad():
         plain = evaluate(model)
     assert entered == [1]

@@ -106,9 +106,16 @@ def _load(model_dir: str, mlm: bool = False) -> tuple[BertModel, BertTokenizer]:
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    """Print the model's config and parameter count as JSON."""
+    """Print the model's config and parameter count as JSON, or the speed-ups and their route."""
     from attnlab.interop.hf import describe, load_bert
 
+    if args.speedups:
+        from attnlab import fast
+
+        print(fast.report())
+        return
+    if args.model is None:
+        raise AttnlabError("info: pass --model DIR, or --speedups")
     print(json.dumps(describe(load_bert(args.model)), indent=2))
 
 
@@ -723,7 +730,8 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     sub = command("info", cmd_info, "print a BERT model's config and parameter count as JSON")
-    sub.add_argument("--model", required=True, help="BERT checkpoint directory (HF or attnlab)")
+    sub.add_argument("--model", help="BERT checkpoint directory (HF or attnlab)")
+    sub.add_argument("--speedups", action="store_true", help="list the speed-ups and the route")
 
     sub = command("tokenize", cmd_tokenize, "tokenize lines to JSON input_ids/token_type_ids")
     sub.add_argument("--model", required=True)

@@ -46,6 +46,20 @@ def inference_twins(model: nn.Module, names: str | None = None) -> Iterator[nn.M
         yield model
 
 
+def report(names: str | None = None) -> str:
+    """The route taken here, then each speed-up: its uses, whether it applies here and is
+    chosen (``names``, default ATTNLAB_SPEEDUPS), and what it does."""
+    picked = {s.name for use in (TRAINING, INFERENCE) for s in chosen(use, names)}
+    rows = [route_line(), "", f"{'speed-up':18} {'used for':20} {'here':5} {'chosen':7} what"]
+    for s in registry():
+        here = "yes" if s.applies() else "no"
+        used = "+".join(s.uses)
+        rows.append(
+            f"{s.name:18} {used:20} {here:5} {'yes' if s.name in picked else 'no':7} {s.why}"
+        )
+    return "\n".join(rows)
+
+
 __all__ = [
     "INFERENCE",
     "TRAINING",
@@ -57,6 +71,7 @@ __all__ = [
     "for_training",
     "inference_twins",
     "registry",
+    "report",
     "route_line",
     "swap",
     "to_plain",
