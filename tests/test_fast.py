@@ -103,3 +103,31 @@ def test_report_names_the_route_and_every_speedup() -> None:
     assert any(
         line.split()[:1] == ["dropout"] and line.split()[3] == "no" for line in text.split("\n")
     )
+
+
+@pytest.mark.parametrize("tie_output", [True, False])
+def test_transformer_twins_give_the_plain_loss_and_gradients(tie_output: bool) -> None:
+    from attnlab.config import TransformerConfig
+    from attnlab.models.seq2seq import Transformer
+
+    config = TransformerConfig(
+        src_vocab_size=50, tgt_vocab_size=50, d_model=16, n_heads=2, d_ff=32,
+        n_encoder_layers=1, n_decoder_layers=1, max_positions=16, dropout=0.0,
+        tie_output=tie_output,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    src, tgt = torch.randint(3, 50, (2, 9), generator=g), torch.randint(3, 50, (2, 7), generator=g)
+    results = []
+    for twins in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(config)
+        if twins:
+            fast.for_training(model, "all")
+            assert type(model) is not Transformer
+        loss = model(src, tgt[:, :-1], tgt[:, 1:])["loss"]
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (plain_loss, plain), (twin_loss, twin) = results
+    torch.testing.assert_close(twin_loss, plain_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in plain.items():
+        torch.testing.assert_close(twin[name], grad, rtol=1e-4, atol=1e-6, msg=name)

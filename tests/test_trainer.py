@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from _trainer_run import TinyClassifier, make_data, make_evaluate, train
 from safetensors.torch import load_file
 from torch import nn
 
+from attnlab import fast
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.fast.training import KeptEmbeddingGrads, TrainingSpeedups, clipped_step
@@ -375,16 +377,34 @@ def test_kept_embedding_grads_equal_dense_ones(tied: bool, monkeypatch: pytest.M
                 torch.testing.assert_close(sparse[name], dense[name], atol=1e-12, rtol=1e-12)
         assert word.sparse
     assert not word.sparse
-    if tied:  # the decoder's dense gradient and the looked-up rows summed: no buffer needed
+    if tied:  # the decoder's dense gradient took the looked-up rows: no buffer needed
         assert id(word.weight) not in kept.buffers
+        # ... in place: no copy of the whole table when the two gradients are summed (fp32,
+        # with the training twins: the path training takes, where the decoder's gradient is a
+        # tensor of its own and comes through the table's tied handle, fast/training.py)
+        from torch.profiler import profile
+
+        fp32 = fast.for_training(BertForPreTraining(config))
+        mask = (ids[0] != 0).long()
+        with KeptEmbeddingGrads(fp32), profile(record_shapes=True) as trace:
+            fp32(ids[0], mask, mlm_labels=labels[0], nsp_labels=torch.tensor([0, 1]))[
+                "loss"
+            ].backward()
+        table = [config.vocab_size, config.d_model]
+        copies = [e for e in trace.events() if e.name == "aten::copy_" and table in e.input_shapes]
+        assert copies == []
     else:  # the rows went into the one kept buffer, both steps
         assert stored[0] == stored[1] == kept.buffers[id(word.weight)].data_ptr()
 
 
-def test_tied_transformer_projection_gets_the_lookup_rows(
+def test_tied_transformer_projection_takes_the_lookup_rows_in_place(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The translation model's tied output projection: same gradients with sparse lookups.
+    # The translation model's tied output projection with its training twin: same gradients
+    # with sparse lookups, and no copy of the whole table when autograd sums the two
+    # (fast/training.py: tied_weight).
+    from torch.profiler import profile
+
     from attnlab.config import TransformerConfig
     from attnlab.models.seq2seq import Transformer
 
@@ -394,20 +414,25 @@ def test_tied_transformer_projection_gets_the_lookup_rows(
         n_encoder_layers=1, n_decoder_layers=1, max_positions=16, dropout=0.0,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Transformer(config)
+    model = fast.for_training(Transformer(config))
     assert model.output_proj is None  # tied
     src, tgt = torch.randint(3, 60, (2, 9)), torch.randint(3, 60, (2, 7))
 
-    def gradient() -> torch.Tensor:
-        model(src, tgt[:, :-1], tgt[:, 1:])["loss"].backward()
+    def gradient(trace: bool = False) -> tuple[torch.Tensor, list]:
+        loss = model(src, tgt[:, :-1], tgt[:, 1:])["loss"]
+        with profile(record_shapes=True) if trace else nullcontext() as recorded:
+            loss.backward()
         grad = model.target_embedding.weight.grad
         model.zero_grad(set_to_none=True)
-        return grad
+        return grad, recorded.events() if trace else []
 
-    dense = gradient()
+    dense, _ = gradient()
     with KeptEmbeddingGrads(model):
-        sparse = gradient()
+        sparse, events = gradient(trace=True)
     torch.testing.assert_close(sparse, dense, atol=1e-6, rtol=1e-5)
+    table = [60, 16]
+    copies = [e for e in events if e.name == "aten::copy_" and table in e.input_shapes]
+    assert copies == []
 
 
 def test_kept_buffer_rows_zeroing_and_clipping_equal_torchs(

@@ -23,6 +23,10 @@ PyTorch's inductor ("freezing") and Intel's extension do for inference. The pack
 first use and rebuilt when the weight changes. ``PackedFeedForward`` also applies the ReLU of
 a ReLU feed-forward as the first product is written.
 
+Tied vocabulary projections (``FastMLMHead``, ``FastTransformer``) take both routes on the
+embedding table, through the handle the kept embedding gradients give it (fast/training.py:
+tied_weight), so that the projection's dense gradient takes the lookups' rows in place.
+
 Anything else runs plain ``F.linear``: CUDA tensors, dtypes other than fp32, bf16 autocast on
 CPUs with fast bf16 products, and code traced by ``torch.compile`` (which brings its own
 kernels). Results and gradients equal ``F.linear``'s (under autocast, autocast's) to float
@@ -37,6 +41,9 @@ from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from attnlab.fast.route import fast_bf16_matmul, has_onednn, onednn_trains_faster
+from attnlab.fast.training import tied_weight
+from attnlab.models.bert import BertMLMHead
+from attnlab.models.seq2seq import Transformer
 from attnlab.nn.blocks import FeedForward
 
 BF16 = torch.bfloat16
@@ -207,39 +214,54 @@ class TrainingLinear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+PACKED = "_packed"  # a twin's attribute: (the weight's version and address, its pack)
+
+
+def packed_linear(
+    owner: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = False
+) -> Tensor:
+    """x W^T + b (ReLU'd as it is written when relu=True) on W packed once, the pack kept on owner.
+
+    The packed product serves CPU fp32 inference; anything else (training, bf16 autocast, CUDA)
+    runs ``linear``, which picks its route.
+    """
+    usable = (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and can_pack(weight)
+        and not torch.is_grad_enabled()
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+    )
+    if not usable:
+        y = linear(x, weight, bias)
+        return F.relu(y) if relu else y
+    return _onednn(x, _pack(owner, weight), bias, "relu" if relu else "none")
+
+
+def _pack(owner: nn.Module, weight: Tensor) -> Tensor:
+    """weight packed for oneDNN, kept on owner: built on first use, again once the weight changes."""
+    key = (weight._version, weight.data_ptr())
+    cached = owner.__dict__.get(PACKED)
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        cached = owner.__dict__[PACKED] = (key, packed)
+    return cached[1]
+
+
 class PackedLinear(nn.Linear):
     """Twin of nn.Linear for inference: the fp32 weight packed once for oneDNN (module docstring)."""
 
-    fast_state = ("_packed",)  # (the weight's version and address, its pack): dropped on swap
+    fast_state = (PACKED,)  # dropped when the twin is swapped out
 
     def forward(self, x: Tensor) -> Tensor:
         """x (..., in) -> (..., out)."""
-        return self.product(x)
+        return packed_linear(self, x, self.weight, self.bias)
 
     def product(self, x: Tensor, relu: bool = False) -> Tensor:
         """x (..., in) -> (..., out), with ReLU applied as it is written when relu=True."""
-        usable = (
-            x.dtype == torch.float32
-            and x.device.type == "cpu"
-            and can_pack(self.weight)
-            and not torch.is_grad_enabled()
-            and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling()
-        )
-        if not usable:  # training, bf16 autocast, CUDA: linear() picks the route
-            y = linear(x, self.weight, self.bias)
-            return F.relu(y) if relu else y
-        return _onednn(x, self._pack(), self.bias, "relu" if relu else "none")
-
-    def _pack(self) -> Tensor:
-        """The weight packed for oneDNN, built on first use and again after the weight changes."""
-        key = (self.weight._version, self.weight.data_ptr())
-        cached = self.__dict__.get("_packed")
-        if cached is None or cached[0] != key:
-            with torch.no_grad():
-                packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-            cached = self.__dict__["_packed"] = (key, packed)
-        return cached[1]
+        return packed_linear(self, x, self.weight, self.bias, relu)
 
 
 class PackedFeedForward(FeedForward):
@@ -250,3 +272,28 @@ class PackedFeedForward(FeedForward):
         if self.act is F.relu and isinstance(self.fc1, PackedLinear):
             return self.fc2(self.fc1.product(x, relu=True))
         return super().forward(x)
+
+
+class FastMLMHead(BertMLMHead):
+    """Twin of BertMLMHead: the tied vocabulary projection by ``linear`` (training) or packed
+    (inference), on the handle the kept embedding gradients give the tied table."""
+
+    fast_state = (PACKED,)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """(..., d_model) -> (..., vocab_size) logits."""
+        h = self.norm(self.act(self.dense(hidden)))
+        return packed_linear(self, h, tied_weight(self.word_embeddings), self.bias)
+
+
+class FastTransformer(Transformer):
+    """Twin of Transformer: its tied output projection as FastMLMHead's (an untied one is an
+    nn.Linear with twins of its own)."""
+
+    fast_state = (PACKED,)
+
+    def project(self, hidden: Tensor) -> Tensor:
+        """Decoder output (..., d_model) -> logits (..., tgt_vocab_size)."""
+        if self.output_proj is None:
+            return packed_linear(self, hidden, tied_weight(self.target_embedding))
+        return self.output_proj(hidden)

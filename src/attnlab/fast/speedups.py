@@ -6,11 +6,19 @@ from torch import nn
 
 from attnlab.fast.attention import FastEncoder, FastEncoderLayer, FastMultiHeadAttention
 from attnlab.fast.dropout import FastDropout, FastResidual
-from attnlab.fast.linear import PackedFeedForward, PackedLinear, TrainingLinear
+from attnlab.fast.linear import (
+    FastMLMHead,
+    FastTransformer,
+    PackedFeedForward,
+    PackedLinear,
+    TrainingLinear,
+)
 from attnlab.fast.loss import BlockedCrossEntropy, BlockedKLDivergence
 from attnlab.fast.route import has_onednn
 from attnlab.fast.swap import INFERENCE, TRAINING, Speedup
 from attnlab.fast.training import TRAINER_SPEEDUPS
+from attnlab.models.bert import BertMLMHead
+from attnlab.models.seq2seq import Transformer
 from attnlab.nn.attention import MultiHeadAttention
 from attnlab.nn.blocks import Encoder, EncoderLayer, FeedForward, Residual
 from attnlab.nn.loss import SummedCrossEntropy, SummedKLDivergence
@@ -35,6 +43,15 @@ SPEEDUPS: list[Speedup] = [
     Speedup(
         "packed_relu", FeedForward, PackedFeedForward, (INFERENCE,), has_onednn,
         "a ReLU feed-forward's first packed product applies the ReLU as it writes (needs oneDNN)",
+    ),
+    Speedup(
+        "tied_projection", BertMLMHead, FastMLMHead, (TRAINING, INFERENCE), _always,
+        "BERT's tied vocabulary projection as the linear twins compute, the lookups' sparse rows "
+        "taken in place",
+    ),
+    Speedup(
+        "tied_projection", Transformer, FastTransformer, (TRAINING, INFERENCE), _always,
+        "the Transformer's tied output projection, likewise",
     ),
     Speedup(
         "dropout", nn.Dropout, FastDropout, (TRAINING,), _always,

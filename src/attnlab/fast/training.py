@@ -7,7 +7,8 @@ tensor every backward pass: zero-filled, then the looked-up rows added in. On CP
 a freed buffer that large back to the operating system, so every step page-faults it in again.
 While training, the large embeddings' lookups send sparse gradients (the looked-up rows) and a
 hook moves them into a dense buffer kept from step to step; where a dense gradient reaches the
-same weight (a tied output projection) autograd sums the two. Either way the optimiser,
+same weight (a tied output projection) autograd sums the two, in place when the dense one
+arrives second (tied_weight). Either way the optimiser,
 clipping and checkpoints see the same dense ``.grad`` as before; only where it is stored
 changes. A kept buffer is zero outside the rows this step's lookups touched, and the buffer
 knows which: the next step zeroes only those rows, and the clipping reads and scales only
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import FunctionCtx
 from torch.utils.hooks import RemovableHandle
 
 from attnlab.fast.route import fast_bf16_matmul
@@ -72,21 +74,30 @@ class KeptEmbeddingGrads:
         self.rows: dict[int, Tensor] = {}
         self._incoming: dict[int, list[Tensor | None]] = {}  # this backward's row indices
         self._hooks: list[RemovableHandle] = []
+        self.model = model
 
     def __enter__(self) -> KeptEmbeddingGrads:
+        self._hooks.append(self.model.register_forward_pre_hook(self._forget_handles))
         for module in self.modules:
             module.sparse = True
+            self._hooks.append(module.register_forward_pre_hook(_make_tied_handle))
         for w in self.weights:
             self._hooks.append(w.register_hook(partial(self._note_rows, id(w))))
             self._hooks.append(w.register_post_accumulate_grad_hook(self._densify))
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._forget_handles()
         for module in self.modules:
             module.sparse = False
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+    def _forget_handles(self, *_: object) -> None:
+        """At the start of each forward pass: the tied handles of the last one are stale."""
+        for module in self.modules:
+            module.__dict__.pop(TIED_HANDLE, None)
 
     def _note_rows(self, key: int, grad: Tensor) -> None:
         """Before autograd stores a gradient of the weight: note its rows (None: dense, any row)."""
@@ -123,6 +134,43 @@ class KeptEmbeddingGrads:
             self.rows[key] = torch.cat(parts).unique()
         else:
             self.rows.pop(key, None)
+
+
+TIED_HANDLE = "tied_handle"  # an embedding's attribute while its gradients are kept
+
+
+class _TiedWeight(torch.autograd.Function):
+    """An embedding table, unchanged, as a tied output projection's weight (see tied_weight)."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, weight: Tensor) -> Tensor:
+        """The weight itself (a view)."""
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> Tensor:
+        """The gradient as it is (the tensor itself, so it can be added into)."""
+        return grad
+
+
+def _make_tied_handle(module: nn.Embedding, args: object) -> None:
+    """Before an embedding's first lookup of a forward pass: its table's handle (tied_weight)."""
+    if torch.is_grad_enabled() and TIED_HANDLE not in module.__dict__:
+        module.__dict__[TIED_HANDLE] = _TiedWeight.apply(module.weight)
+
+
+def tied_weight(embedding: nn.Embedding) -> Tensor:
+    """The embedding's table, for a tied output projection in the same forward pass.
+
+    Autograd runs backward nodes in reverse order of creation and sums two gradients of one
+    weight as they arrive: a dense one arriving second takes a sparse one in place, while a
+    sparse one arriving second makes an out-of-place sum, a copy of the whole table. While
+    its gradients are kept (KeptEmbeddingGrads), an embedding makes a handle of its table
+    before its first lookup; a projection through it passes its dense gradient on after the
+    lookups' sparse rows. Elsewhere this is the table itself.
+    """
+    handle = embedding.__dict__.get(TIED_HANDLE)
+    return embedding.weight if handle is None or not torch.is_grad_enabled() else handle
 
 
 def kept_embedding_grads(
