@@ -60,9 +60,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from attnlab.cpu import fast_bf16_matmul
-    from attnlab.nn.linear import bf16_by_fp32, linear
-    from attnlab.train.memory import keep_freed_memory
+    from attnlab.fast.linear import bf16_by_fp32, linear
+    from attnlab.fast.route import fast_bf16_matmul
+    from attnlab.fast.training import keep_freed_memory
 
     keep_freed_memory()
     torch.manual_seed(0)

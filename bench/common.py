@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import torch
 
-from attnlab.cpu import cpu_field
+from attnlab.fast.route import cpu_field
 
 T = TypeVar("T")
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -40,7 +40,7 @@ def matmul_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 1.0) 
     weight (what attnlab's inference uses, attnlab/nn/packed.py), and the faster counts: on the
     2-core benchmark machine oneDNN's is about 13% faster (227 against 198 GFLOP/s).
     """
-    from attnlab.nn.packed import PackedLinear
+    from attnlab.fast.linear import PackedLinear
 
     def fastest_call(product: Callable[[], object]) -> float:
         with torch.inference_mode():
@@ -58,7 +58,8 @@ def matmul_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 1.0) 
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         best = max(best, 2 * n**3 / fastest_call(functools.partial(torch.mm, a, b)))
         if dtype == torch.float32:  # a b^T on b packed: the same FLOPs
-            best = max(best, 2 * n**3 / fastest_call(functools.partial(PackedLinear(b), a)))
+            packed = PackedLinear(n, n, bias=False)  # random weights: the same FLOPs
+            best = max(best, 2 * n**3 / fastest_call(functools.partial(packed, a)))
     return best
 
 
@@ -70,7 +71,7 @@ def peak_dtype(precision: str) -> torch.dtype:
     run on (2,957 against 442 GFLOP/s on a 2-core Xeon with AMX); elsewhere attnlab computes
     bf16 products with the fp32 kernel (attnlab/nn/linear.py), so the fp32 peak stays.
     """
-    from attnlab.cpu import fast_bf16_matmul
+    from attnlab.fast.route import fast_bf16_matmul
 
     return torch.bfloat16 if precision == "bf16" and fast_bf16_matmul() else torch.float32
 
@@ -108,7 +109,7 @@ def training_step(
     As in the trainer, on CPU the large embeddings' gradients avoid a fresh buffer each step
     (``train/grads.py: kept_embedding_grads``) unless ``keep_grads`` is False (as under compile).
     """
-    from attnlab.train.grads import clipped_step, kept_embedding_grads
+    from attnlab.fast.training import clipped_step, kept_embedding_grads
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
     kept = kept_embedding_grads(model) if keep_grads else None
@@ -160,17 +161,16 @@ MALLOC_HELP = (
 def set_malloc(choice: str) -> None:
     """Put this process (every system it times) under one glibc malloc setting.
 
-    'keep' is what attnlab's trainer sets (attnlab/train/memory.py: every request from the
+    'keep' is what attnlab's jobs set (attnlab/fast/training.py: every request from the
     heap, trimmed only above 2 GB free), so memory freed by one step is reused by the next
     instead of being unmapped and faulted in, zeroed, again; HF's full-vocabulary MLM logits
     are such temporaries. 'default' leaves glibc as it comes and tells attnlab's trainer to
-    leave it too (ATTNLAB_MALLOC=default, inherited by child processes).
+    leave it too (ATTNLAB_SPEEDUPS=-keep_freed_memory, inherited by child processes).
     """
-    from attnlab.train.memory import keep_freed_memory
+    from attnlab.fast.training import keep_freed_memory
 
     if choice == "default":
-        os.environ["ATTNLAB_MALLOC"] = "default"
+        os.environ["ATTNLAB_SPEEDUPS"] = "-keep_freed_memory"
         return
-    os.environ.pop("ATTNLAB_MALLOC", None)
     if not keep_freed_memory():
         raise SystemExit("--malloc keep: needs glibc (Linux)")

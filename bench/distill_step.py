@@ -40,9 +40,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from attnlab.config import BertConfig
+    from attnlab.fast.training import keep_freed_memory
     from attnlab.models.bert import BertForPreTraining
     from attnlab.tasks.distill import DistillationModel, student_from_teacher
-    from attnlab.train.memory import keep_freed_memory
     from attnlab.train.optim import build_optimizer
 
     keep_freed_memory()  # as the trainer does

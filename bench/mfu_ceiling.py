@@ -159,7 +159,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from attnlab.config import BertConfig
-    from attnlab.train.memory import keep_freed_memory
+    from attnlab.fast.training import keep_freed_memory
 
     keep_freed_memory()  # as the trainer does
     torch.manual_seed(0)

@@ -53,7 +53,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from attnlab.train.memory import keep_freed_memory
+    from attnlab.fast.training import keep_freed_memory
 
     keep_freed_memory()
     torch.manual_seed(0)
@@ -133,8 +133,8 @@ def bias_gradient(repeats: int) -> dict[str, float]:
 def clipping_norm(repeats: int) -> dict[str, float]:
     """The norm of bert-small's gradients: attnlab's BLAS dots against ``vector_norm``s."""
     from attnlab.config import BertConfig
+    from attnlab.fast.training import _total_norm
     from attnlab.models.bert import BertForPreTraining
-    from attnlab.train.grads import _total_norm
 
     grads = [
         torch.randn_like(p)
