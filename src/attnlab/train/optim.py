@@ -58,8 +58,8 @@ def build_optimizer(
     """AdamW (BERT) or Adam (Transformer) over the model's parameters; None = the paper's value.
 
     PyTorch's fused kernel is the default: one pass over each parameter instead of the
-    multi-tensor (``foreach``) path's eight or so: 4-6x faster for MiniLM's 22.7M
-    parameters on this 2-core CPU, which matters where steps are short (fine-tuning). It
+    multi-tensor (``foreach``) path's eight or so, several times faster on CPU, which matters
+    where steps are short (fine-tuning). It
     rounds differently from the plain loop (about 1 ulp); ``fused=False`` gives the
     bit-identical ``foreach`` path. HF's Trainer also defaults to the fused kernel.
     """

@@ -599,7 +599,7 @@ class Trainer:
         self, saved: list[dict[str, Tensor]] | dict[str, Tensor], saved_ranks: int
     ) -> dict[str, Tensor]:
         """This rank's part of a checkpoint's logging-window sums (saved: one dict per rank)."""
-        if isinstance(saved, dict):  # a checkpoint of before 2026-12: the ranks' total only
+        if isinstance(saved, dict):  # an older checkpoint: the ranks' total only
             zeros = {k: torch.zeros_like(v) for k, v in saved.items()}
             saved = [saved, *[zeros] * (saved_ranks - 1)]
         if len(saved) == self.world_size:
