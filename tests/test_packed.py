@@ -164,3 +164,27 @@ def test_transformer_logits_and_beam_search_unchanged_by_the_inference_twins(
             fast_out = beam_search(model, src, beam_size=3)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert fast_out == plain_out
+
+
+def test_packs_do_not_outlive_an_inference_block() -> None:
+    # A fused optimiser changes the weights without moving their version: a twin used in
+    # training and inference alike (the tied projection) packs afresh in each block.
+    from attnlab.config import BertConfig
+    from attnlab.models.bert import BertForPreTraining
+
+    torch.manual_seed(0)
+    model = BertForPreTraining(
+        BertConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+    )
+    fast.for_training(model, "tied_projection")
+    head, h = model.mlm, torch.randn(3, 16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    for _ in range(2):
+        with torch.no_grad():
+            want = F.linear(
+                head.norm(head.act(head.dense(h))), head.word_embeddings.weight, head.bias
+            )
+            with fast.inference_twins(model, "tied_projection"):
+                torch.testing.assert_close(head(h), want, rtol=1e-5, atol=1e-5)
+        head(h).square().sum().backward()
+        optimizer.step()

@@ -20,7 +20,8 @@ Inference (``PackedLinear``). ``nn.Linear`` rearranges ("packs") the weight into
 blocked layout on every call. While the weight does not change oneDNN can pack it once
 (``torch.ops.mkldnn._reorder_linear_weight``) and every later call skips that work, as
 PyTorch's inductor ("freezing") and Intel's extension do for inference. The pack is built on
-first use and rebuilt when the weight changes. ``PackedFeedForward`` also applies the ReLU of
+first use and kept until the next swap (fast/swap.py), or rebuilt sooner where the weight's
+version shows a change. ``PackedFeedForward`` also applies the ReLU of
 a ReLU feed-forward as the first product is written.
 
 Tied vocabulary projections (``FastMLMHead``, ``FastTransformer``) take both routes on the
@@ -240,7 +241,7 @@ def packed_linear(
 
 
 def _pack(owner: nn.Module, weight: Tensor) -> Tensor:
-    """weight packed for oneDNN, kept on owner: built on first use, again once the weight changes."""
+    """weight packed for oneDNN, kept on owner: built on first use, again if its version moved."""
     key = (weight._version, weight.data_ptr())
     cached = owner.__dict__.get(PACKED)
     if cached is None or cached[0] != key:
@@ -253,7 +254,7 @@ def _pack(owner: nn.Module, weight: Tensor) -> Tensor:
 class PackedLinear(nn.Linear):
     """Twin of nn.Linear for inference: the fp32 weight packed once for oneDNN (module docstring)."""
 
-    fast_state = (PACKED,)  # dropped when the twin is swapped out
+    fast_state = (PACKED,)  # dropped at every swap (fast/swap.py)
 
     def forward(self, x: Tensor) -> Tensor:
         """x (..., in) -> (..., out)."""

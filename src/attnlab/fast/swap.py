@@ -4,7 +4,9 @@ A twin is a subclass of a plain module class that adds no parameters or buffers 
 the same function (tested equal, values and gradients) by a faster route on some hardware.
 Swapping sets ``module.__class__``: parameters, state-dict names and optimiser state are
 untouched, and ``to_plain`` undoes it. A twin may keep state it builds on first use (a packed
-weight) as plain attributes named in its ``fast_state``; they are dropped when it goes.
+weight) as plain attributes named in its ``fast_state``; every swap drops them, so such state
+lives from one swap to the next (the weights must not change in between: a fused optimiser
+updates them without a trace a twin could check).
 
 Speed-ups that are not modules (the trainer's, fast/training.py) are listed the same way,
 without a plain class or twin, so that one ``ATTNLAB_SPEEDUPS`` names them all.
@@ -80,7 +82,7 @@ def _plain_class(cls: type) -> type:
 
 
 def _set_class(module: nn.Module, cls: type) -> None:
-    """Give module the class cls, first dropping the state its old twin class built."""
+    """Give module the class cls, first dropping the state its twin class built."""
     for name in getattr(type(module), "fast_state", ()):
         module.__dict__.pop(name, None)
     module.__class__ = cls
@@ -91,17 +93,14 @@ def swap(model: nn.Module, speedups: list[Speedup]) -> nn.Module:
     twins = {s.plain: s.twin for s in speedups if s.plain is not None}
     for module in model.modules():
         twin = twins.get(_plain_class(type(module)))
-        if twin is not None and type(module) is not twin:
-            _set_class(module, twin)
+        _set_class(module, type(module) if twin is None else twin)
     return model
 
 
 def to_plain(model: nn.Module) -> nn.Module:
     """Undo every swap: each twin module gets its plain class back."""
     for module in model.modules():
-        plain = _plain_class(type(module))
-        if plain is not type(module):
-            _set_class(module, plain)
+        _set_class(module, _plain_class(type(module)))
     return model
 
 
@@ -114,5 +113,4 @@ def swapped(model: nn.Module, speedups: list[Speedup]) -> Iterator[nn.Module]:
         yield model
     finally:
         for module, cls in before.items():
-            if type(module) is not cls:
-                _set_class(module, cls)
+            _set_class(module, cls)
