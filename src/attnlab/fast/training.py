@@ -8,9 +8,8 @@ a freed buffer that large back to the operating system, so every step page-fault
 While training, the large embeddings' lookups send sparse gradients (the looked-up rows) and a
 hook moves them into a dense buffer kept from step to step; where a dense gradient reaches the
 same weight (a tied output projection) autograd sums the two, in place when the dense one
-arrives second (tied_weight). Either way the optimiser,
-clipping and checkpoints see the same dense ``.grad`` as before; only where it is stored
-changes. A kept buffer is zero outside the rows this step's lookups touched, and the buffer
+arrives second (tied_weight). Either way the optimiser, clipping and checkpoints see the same
+dense ``.grad`` as before; only where it is stored changes. A kept buffer is zero outside the rows this step's lookups touched, and the buffer
 knows which: the next step zeroes only those rows, and the clipping reads and scales only
 those rows instead of the whole table.
 

@@ -4,6 +4,7 @@ from attnlab.train.checkpoint import latest_checkpoint, read_checkpoint, save_ch
 from attnlab.train.config import TrainConfig, seed_everything
 from attnlab.train.data import BatchSource, TensorBatches, count_tokens
 from attnlab.train.distributed import init_distributed, shutdown_distributed
+from attnlab.train.hooks import TrainerHooks
 from attnlab.train.log import plot_loss_curve, read_rows
 from attnlab.train.optim import (
     build_optimizer,
@@ -20,6 +21,7 @@ __all__ = [
     "TensorBatches",
     "TrainConfig",
     "Trainer",
+    "TrainerHooks",
     "build_optimizer",
     "build_scheduler",
     "constant",
