@@ -88,11 +88,15 @@ def time_steps(step, steps: int) -> float:
 
 
 def attnlab_step(config, data, precision: str):
-    """attnlab's training step (the trainer's: forward, backward, clip, AdamW) on one batch."""
+    """attnlab's training step (the trainer's: forward, backward, clip, AdamW) on one batch.
+
+    The model runs with its training speed-ups swapped in, as the pretraining job runs it.
+    """
+    from attnlab.fast import for_training
     from attnlab.models.bert import BertForPreTraining
     from attnlab.train.optim import build_optimizer
 
-    model = BertForPreTraining(config).train()
+    model = for_training(BertForPreTraining(config).train())
     step = training_step(model, build_optimizer(model, lr=1e-4, weight_decay=0.01), precision)
     return lambda: step(data)
 
@@ -204,7 +208,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     from attnlab.config import BertConfig
-    from attnlab.cpu import fast_bf16_matmul
+    from attnlab.fast.route import fast_bf16_matmul
 
     config = BertConfig.preset(args.preset)
     data = synthetic_batch(config.vocab_size, args.batch_size, args.seq_len, MASK_RATE)

@@ -1,8 +1,8 @@
 """Training products by oneDNN against MKL (nn/linear.py's route), whole pretraining steps.
 
 attnlab picks the library for its fp32 training products by CPU vendor and flags
-(``onednn_trains_faster``), not by a timing. This runs ``attnlab bench pretrain`` in a fresh
-process per run with the route forced each way, alternating (oneDNN, MKL, oneDNN, MKL, ...),
+(``onednn_trains_faster``), not by a timing. This runs bench/pretrain.py's attnlab step in a
+fresh process per run with the route forced each way, alternating (oneDNN, MKL, oneDNN, MKL, ...),
 and prints each run's tokens/s and the median of each side, so the rule can be checked on a
 new host.
 
@@ -22,24 +22,27 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from common import machine
 
-# Run in the child: force the route, then the CLI's own benchmark.
+PRETRAIN = os.path.join(os.path.dirname(__file__), "pretrain.py")
+# Run in the child: force the route, then bench/pretrain.py's attnlab side alone.
 CHILD = """
-import sys
-import attnlab.nn.linear as linear
+import runpy, sys
+import attnlab.fast.linear as linear
 linear.onednn_trains_faster = lambda: sys.argv[1] == "onednn"
-from attnlab.cli import main
-sys.exit(main(["bench", "pretrain", *sys.argv[2:]]))
+sys.argv = [sys.argv[2], *sys.argv[3:], "--only", "attnlab"]
+runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
 def one_run(route: str, args: argparse.Namespace) -> float:
-    """tokens/s of one `attnlab bench pretrain` run with the products on `route`."""
+    """tokens/s of one bench/pretrain.py attnlab run with the products on `route`."""
     flags = ["--preset", args.preset, "--batch-size", str(args.batch_size), "--seq-len", "128"]
     flags += ["--steps", str(args.steps), "--threads", str(args.threads)]
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, route, *flags], capture_output=True, text=True, check=True
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])["tokens_per_s"]
+        [sys.executable, "-c", CHILD, route, PRETRAIN, *flags],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    seconds = json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+    return args.batch_size * 128 / seconds
 
 
 def main() -> None:

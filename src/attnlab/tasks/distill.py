@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnlab import fast
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.interop.hf import check_vocabulary, load_bert, read_config
@@ -376,7 +377,7 @@ def _load_teacher(opts: DistillOptions) -> tuple[BertForPreTraining, BertTokeniz
 
 
 def _distillation_model(opts: DistillOptions) -> tuple[DistillationModel, BertTokenizer]:
-    """The frozen teacher and its student under the loss weights of opts; the teacher's tokenizer."""
+    """Teacher and student joined under the loss weights of opts, and the teacher's tokenizer."""
     teacher, tokenizer = _load_teacher(opts)
     torch.manual_seed(opts.seed)  # a preset student's fresh weights are part of the run
     student = student_from_teacher(teacher, opts.student_layers, opts.student_preset)
@@ -429,7 +430,9 @@ class DistillJob(Job):
         """The shared trainer on pretraining's batches, scoring the student's agreement too."""
         held_out = self.data.evaluate
         evaluate = distillation_evaluation(held_out) if held_out is not None else None
-        return Trainer(self.model, self.data.batches, self.config, evaluate)  # moves the teacher
+        model, speedups = fast.for_training(self.model), fast.TrainingSpeedups()
+        # Trainer moves the teacher too (DistillationModel._apply)
+        return Trainer(model, self.data.batches, self.config, evaluate, speedups=speedups)
 
     def publish(self, trainer: Trainer, summary: dict[str, Any]) -> dict[str, Any]:
         """The student in --out, an HF BertForMaskedLM checkpoint with the teacher's tokenizer."""
