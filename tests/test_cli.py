@@ -1110,3 +1110,46 @@ def test_stdout_that_cannot_show_the_text_is_one_error_line(tiny_mlm_dir):
     )
     message = assert_one_error(done.returncode, done.stdout, done.stderr, "set PYTHONIOENCODING")
     assert "cannot write '\\u4eca' in ascii" in message
+
+
+TRAINING_COMMANDS = {
+    ("pretrain",): "attnlab.tasks.pretrain.PretrainOptions",
+    ("distill",): "attnlab.tasks.distill.DistillOptions",
+    ("finetune",): "attnlab.tasks.finetune.FinetuneOptions",
+    ("translate", "train"): "attnlab.tasks.translate.TranslateOptions",
+}
+
+
+@pytest.mark.parametrize("command", list(TRAINING_COMMANDS), ids=" ".join)
+def test_training_flags_name_option_fields_and_leave_their_defaults_to_them(command, capsys):
+    """Defaults live in the options dataclass only: every flag of a training command names one
+    of its fields, the parser gives it no value of its own, and --help shows the field's."""
+    import dataclasses
+    import importlib
+
+    from attnlab.cli import build_parser
+
+    module, _, name = TRAINING_COMMANDS[command].rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    parser = build_parser().parse_args(list(command)).command_parser
+    own = {"help", "threads", "config"}
+    flags = {a.dest: a.default for a in parser._actions if a.option_strings and a.dest not in own}
+    assert set(flags) <= set(fields), sorted(set(flags) - set(fields))
+    assert all(value is None for value in flags.values()), flags
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*command, "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert f"(default {fields['lr'].default})" in shown
+    assert f"(default {fields['keep_last'].default})" in shown
+
+
+def test_a_library_error_names_options_as_the_python_api_and_the_cli_as_flags(cli, tiny_dir):
+    err = AttnlabError("max_tokens must be at least 1, got 0", options=("max_tokens",))
+    assert str(err) == "max_tokens must be at least 1, got 0"
+    assert err.worded(lambda name: f"--{name}") == "--max_tokens must be at least 1, got 0"
+    spelled = AttnlabError("out /data/out holds a run: pass resume", options=("out", "resume"))
+    assert spelled.worded(str.upper) == "OUT /data/out holds a run: pass RESUME"
+    # embed names its option max_tokens; the command line says --batch-tokens
+    assert_one_error(*cli("embed", "--model", tiny_dir, "--batch-tokens", "0", stdin=b"a\n"),
+                     "--batch-tokens")  # fmt: skip

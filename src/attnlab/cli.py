@@ -41,9 +41,21 @@ class _Parser(argparse.ArgumentParser):
             r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE
         )
 
+    defaults_from: str | None = None  # see _command
+
     def error(self, message: str) -> NoReturn:
         command = self.prog.removeprefix("attnlab").strip()  # "attnlab: error:" comes first
         raise AttnlabError(f"{command}: {message}" if command else message)
+
+    def format_help(self) -> str:
+        """The help, each flag left to the library followed by the default it has there."""
+        if self.defaults_from is not None:
+            defaults = _defaults_of(self.defaults_from)
+            for action in self._actions:
+                if action.dest in defaults and "default" not in (action.help or ""):
+                    shown = f"default {defaults[action.dest]}".replace("%", "%%")
+                    action.help = f"{action.help} ({shown})" if action.help else shown
+        return super().format_help()
 
 
 def _say(message: str) -> None:
@@ -69,6 +81,19 @@ def _main_process() -> bool:
     import os
 
     return os.environ.get("RANK", "0") == "0"
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict[str, object]:
+    """The named flags that were given: the library's defaults apply to the others."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _flag_spelling(args: argparse.Namespace | None) -> Callable[[str], str]:
+    """How the CLI says a library option (AttnlabError.options): its command's flag for it."""
+    parser = getattr(args, "command_parser", None)
+    actions = parser._actions if parser is not None else []
+    flags = {a.dest: max(a.option_strings, key=len) for a in actions if a.option_strings}
+    return lambda name: flags.get(name, name)
 
 
 def _set_threads(args: argparse.Namespace) -> None:
@@ -178,16 +203,14 @@ def cmd_embed(args: argparse.Namespace) -> None:
     else:
         max_length = _max_length(args.max_length, limit)
     lines = read_lines(args.input)
-    dtype = {"fp32": None, "bf16": torch.bfloat16}[args.dtype]
+    dtype = {None: None, "fp32": None, "bf16": torch.bfloat16}[args.dtype]
     vectors = embed(
         model,
         tokenizer,
         lines,
-        pooling=args.pooling,
+        **_given(args, "pooling", "max_tokens", "max_batch"),
         normalize=args.normalize,
         max_length=max_length,
-        max_tokens=args.batch_tokens,
-        max_batch=args.batch_size,
         truncate=not args.no_truncate,
         dtype=dtype,
         on_truncate=lambda n: _say(
@@ -449,7 +472,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     from attnlab.tasks.finetune import evaluate_file
 
     metrics = evaluate_file(
-        args.model, args.data, args.task, _data_overrides(args), batch_size=args.batch_size
+        args.model, args.data, args.task, _data_overrides(args), **_given(args, "batch_size")
     )
     _print_json(metrics)
 
@@ -465,7 +488,7 @@ def cmd_predict(args: argparse.Namespace) -> None:
         args.task,
         _data_overrides(args),
         overwrite=args.overwrite,
-        batch_size=args.batch_size,
+        **_given(args, "batch_size"),
     )
     _say(f"wrote predictions for {n} example(s) to {args.output}")
 
@@ -491,6 +514,15 @@ def _check_no_translate_options(args: argparse.Namespace) -> None:
         )
 
 
+def _search(args: argparse.Namespace) -> dict[str, object]:
+    """translate_lines' search settings from the decoding flags given (its defaults: the rest)."""
+    search = _given(args, "beam", "length_penalty", "batch_size", "max_len_a", "max_len_b")
+    search |= _given(args, "workers")
+    if args.greedy:
+        search["beam"] = 1
+    return search
+
+
 def _translate(
     args: argparse.Namespace, model: Transformer, tokenizer: BpeTokenizer, lines: list[str]
 ) -> list[str]:
@@ -501,12 +533,7 @@ def _translate(
         model,
         tokenizer,
         lines,
-        beam=1 if args.greedy else args.beam,
-        length_penalty=args.length_penalty,
-        batch_size=args.batch_size,
-        max_len_a=args.max_len_a,
-        max_len_b=args.max_len_b,
-        workers=args.workers,
+        **_search(args),
         on_truncate=lambda n: _say(f"warning: {n} source line(s) too long were truncated"),
     )
 
@@ -554,24 +581,127 @@ def cmd_translate_score(args: argparse.Namespace) -> None:
         )
     hyps = _translate(args, model, tokenizer, sources)
     result = corpus_bleu(hyps, references, tokenize=args.tokenize)
-    _print_json({**result, "beam": 1 if args.greedy else args.beam})
+    beam = _search(args).get("beam", _defaults_of(_TRANSLATE_LINES)["beam"])
+    _print_json({**result, "beam": beam})
+
+
+# ------------------------------------------------------------------------------- parser
+
+_Commands = argparse._SubParsersAction  # what add_subparsers returns
+_TASKS = ("classify", "regress", "ner", "qa")
+_PRETRAIN = "attnlab.tasks.pretrain.PretrainOptions"
+_DISTILL = "attnlab.tasks.distill.DistillOptions"
+_FINETUNE = "attnlab.tasks.finetune.FinetuneOptions"
+_TRANSLATE = "attnlab.tasks.translate.TranslateOptions"
+_TRANSLATE_LINES = "attnlab.tasks.translate.translate_lines"
+
+
+def _defaults_of(source: str) -> dict[str, object]:
+    """The plain defaults (numbers, strings) of a dataclass's fields or a function's parameters."""
+    import dataclasses
+    import importlib
+    import inspect
+
+    module, _, name = source.rpartition(".")
+    target = getattr(importlib.import_module(module), name)
+    if dataclasses.is_dataclass(target):
+        pairs = [(f.name, f.default) for f in dataclasses.fields(target)]
+    else:
+        pairs = [(p.name, p.default) for p in inspect.signature(target).parameters.values()]
+    return {
+        name: value
+        for name, value in pairs
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool)
+    }
+
+
+def _command(
+    commands: _Commands,
+    name: str,
+    func: Callable[[argparse.Namespace], None],
+    text: str,
+    defaults_from: str | None = None,
+) -> _Parser:
+    """A command's parser with the flag every command takes (--threads).
+
+    defaults_from ("module.name"): the options dataclass or function whose defaults the flags
+    left out take; such flags default to None, and --help shows the defaults read from there.
+    """
+    sub = commands.add_parser(name, help=text, description=text)
+    sub.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    sub.set_defaults(func=func, command_parser=sub)
+    sub.defaults_from = defaults_from
+    return sub
+
+
+def _add_run_flags(sub: argparse.ArgumentParser, out_help: str) -> None:
+    """The options of every training job: --config, --out and the shared RunOptions."""
+    sub.add_argument("--config", help="TOML or YAML file with any of these options")
+    sub.add_argument("--out", help=out_help)
+    sub.add_argument("--lr", type=float, help="peak learning rate")
+    sub.add_argument("--save-every", type=int, help="steps between checkpoints")
+    sub.add_argument("--keep-last", type=int, help="checkpoints kept (0: all)")
+    sub.add_argument("--log-every", type=int, help="steps between log rows")
+    sub.add_argument("--resume", action="store_true", default=None, help="continue --out's run")
+    sub.add_argument("--overwrite", action="store_true", default=None, help="replace --out")
+    sub.add_argument("--seed", type=int, help="seed of every random draw")
+    sub.add_argument("--precision", choices=("fp32", "bf16"))
+    sub.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+
+
+def _add_corpus_flags(sub: argparse.ArgumentParser, warmup_share: str) -> None:
+    """The options pretrain and distill share: corpus, batches, masking, schedule."""
+    sub.add_argument("--corpus", nargs="+", help="UTF-8 text files (default: bundled sample)")
+    sub.add_argument("--cache-dir", help="where tokenized corpora are cached")
+    sub.add_argument("--steps", type=int, help="optimiser steps")
+    sub.add_argument("--batch-size", type=int, help="examples per optimiser step")
+    sub.add_argument("--grad-accum", type=int, help="micro-batches per step")
+    sub.add_argument("--seq-len", type=int, help="tokens per example")
+    sub.add_argument(
+        "--warmup", type=int, help=f"warm-up steps (default {warmup_share} of --steps)"
+    )
+    sub.add_argument("--eval-every", type=int, help="steps between held-out evaluations")
+    sub.add_argument("--whole-word-masking", action="store_true", default=None)
+    sub.add_argument("--static-masking", action="store_true", default=None)
+    sub.add_argument(
+        "--max-predictions", type=int, help="masked tokens per sequence at most (default: no cap)"
+    )
+    sub.add_argument(
+        "--compile", action="store_true", default=None, help="torch.compile the forward pass"
+    )
+
+
+def _add_data_flags(sub: argparse.ArgumentParser, trained: bool = False) -> None:
+    """How a task file is read; trained: evaluate/predict, whose defaults are training's."""
+    saved = " (default: as in training)" if trained else ""
+    sub.add_argument(
+        "--columns",
+        help="names of a headerless table's columns, comma-separated (a,b,label); a first "
+        "row that repeats them is skipped as a header",
+    )
+    sub.add_argument("--text-column", help="table column of the text" + saved)
+    sub.add_argument("--text-pair-column", help="table column of the second text of a pair")
+    sub.add_argument("--label-column", help="table column of the label" + saved)
+    sub.add_argument("--tag-column", type=int, help="ner: CoNLL column of the tag" + saved)
+    sub.add_argument(
+        "--max-length",
+        type=int,
+        help="tokens per input" + (saved or " (default 128, qa 384)"),
+    )
+    sub.add_argument("--doc-stride", type=int, help="qa: overlap of passage windows" + saved)
 
 
 def _add_decoding_flags(sub: argparse.ArgumentParser, noted: bool = False) -> None:
     """How translations are searched (translate, translate score); noted: _TranslateOption."""
     store = _TranslateOption if noted else "store"
-    sub.add_argument("--beam", type=int, default=4, action=store,
-                     help="beam size (default 4, the paper's)")  # fmt: skip
+    sub.add_argument("--beam", type=int, action=store, help="beam size (the paper's)")
     flag = {"action": _TranslateOption, "nargs": 0, "const": True, "default": False}
     sub.add_argument("--greedy", **(flag if noted else {"action": "store_true"}),
                      help="greedy search (same as --beam 1)")  # fmt: skip
-    sub.add_argument("--length-penalty", type=float, default=0.6, action=store,
-                     help="GNMT alpha (0.6)")  # fmt: skip
-    sub.add_argument("--batch-size", type=int, default=64, action=store,
-                     help="sentences per batch")  # fmt: skip
-    sub.add_argument("--max-len-a", type=float, default=1.2, action=store,
-                     help="max output = a * src_len + b")  # fmt: skip
-    sub.add_argument("--max-len-b", type=float, default=10, action=store)
+    sub.add_argument("--length-penalty", type=float, action=store, help="GNMT alpha")
+    sub.add_argument("--batch-size", type=int, action=store, help="sentences per batch")
+    sub.add_argument("--max-len-a", type=float, action=store, help="max output = a * src_len + b")
+    sub.add_argument("--max-len-b", type=float, action=store)
     sub.add_argument(
         "--workers",
         action=store,
@@ -581,11 +711,153 @@ def _add_decoding_flags(sub: argparse.ArgumentParser, noted: bool = False) -> No
     )
 
 
-def _add_translate_commands(commands: argparse._SubParsersAction) -> None:
+def _add_info_and_tokenize(commands: _Commands) -> None:
+    """`attnlab info` and `attnlab tokenize`."""
+    sub = _command(commands, "info", cmd_info,
+                   "print a BERT model's config and parameter count as JSON")  # fmt: skip
+    sub.add_argument("--model", help="BERT checkpoint directory (HF or attnlab)")
+    sub.add_argument("--speedups", action="store_true", help="list the speed-ups and the route")
+
+    sub = _command(commands, "tokenize", cmd_tokenize,
+                   "tokenize lines to JSON input_ids/token_type_ids")  # fmt: skip
+    sub.add_argument("--model", required=True)
+    sub.add_argument("--input", help="UTF-8 text file (default: stdin)")
+    sub.add_argument("--pair", action="store_true", help="lines are 'A<TAB>B' sentence pairs")
+    sub.add_argument("--max-length", type=int)
+    sub.add_argument("--no-truncate", action="store_true", help="over-long input is an error")
+
+
+def _add_embed_and_export(commands: _Commands) -> None:
+    """`attnlab embed` (its defaults: tasks/embed.py's embed) and `attnlab export`."""
+    sub = _command(commands, "embed", cmd_embed,
+                   "sentence embeddings, one JSON array per input line",
+                   "attnlab.tasks.embed.embed")  # fmt: skip
+    sub.add_argument("--model", required=True)
+    sub.add_argument("--input", help="UTF-8 text file (default: stdin)")
+    sub.add_argument("--pooling", choices=("mean", "cls", "none"))
+    sub.add_argument("--normalize", action="store_true", help="L2-normalise each vector")
+    # dest: embed's own names, so that its messages name these flags (_flag_spelling)
+    sub.add_argument(
+        "--batch-size", dest="max_batch", type=int, metavar="N", help="most sentences per batch"
+    )
+    sub.add_argument("--batch-tokens", dest="max_tokens", type=int, metavar="N",
+                     help="most padded tokens per batch")  # fmt: skip
+    sub.add_argument(
+        "--max-length",
+        type=int,
+        help="(default: a sentence-transformers folder's max_seq_length, else the model's maximum)",
+    )
+    sub.add_argument("--no-truncate", action="store_true", help="over-long input is an error")
+    sub.add_argument("--dtype", choices=("fp32", "bf16"), help="(default fp32)")
+
+    sub = _command(commands, "export", cmd_export, "write a model in HF transformers' BERT layout")
+    sub.add_argument("--model", required=True)
+    sub.add_argument("--format", choices=("hf",), default="hf")
+    sub.add_argument("--out", required=True)
+    sub.add_argument("--overwrite", action="store_true")
+
+
+def _add_pretrain(commands: _Commands) -> None:
+    """`attnlab pretrain` (PretrainOptions) and `attnlab fill-mask`."""
+    sub = _command(commands, "pretrain", cmd_pretrain,
+                   "pretrain a BERT on text files (resumable)", _PRETRAIN)  # fmt: skip
+    _add_run_flags(sub, "output directory (an HF-compatible checkpoint)")
+    _add_corpus_flags(sub, warmup_share="10%%")
+    sub.add_argument("--preset", help="model size (default bert-mini, or --init's)")
+    sub.add_argument("--objective", choices=("mlm+nsp", "mlm", "mlm+sop"))
+    sub.add_argument("--tokenizer", help="use this vocabulary instead of training one")
+    sub.add_argument(
+        "--vocab-size", type=int, help="size of the vocabulary trained on --corpus (default 8000)"
+    )
+    sub.add_argument("--init", help="start from this checkpoint instead of random weights")
+    sub.add_argument("--position-encoding", help="(default: learned, BERT's)")
+    sub.add_argument("--embedding-size", type=int, help="ALBERT factorised embedding size")
+    sub.add_argument("--share-layers", action="store_true", default=None, help="ALBERT sharing")
+    sub.add_argument("--dropout", type=float, help="hidden and attention dropout (the preset's)")
+
+    sub = _command(commands, "fill-mask", cmd_fill_mask, "predict the tokens hidden by [MASK]")
+    sub.add_argument("--model", required=True)
+    sub.add_argument("--top-k", type=int, default=5)
+    sub.add_argument("--json", action="store_true", help="one JSON object per text")
+    sub.add_argument("text", nargs="+", help="text with one or more [MASK]")
+
+
+def _add_distill(commands: _Commands) -> None:
+    """`attnlab distill` (DistillOptions)."""
+    sub = _command(commands, "distill", cmd_distill,
+                   "distil a smaller BERT from a teacher (DistilBERT)", _DISTILL)  # fmt: skip
+    _add_run_flags(sub, "output directory (an HF-compatible checkpoint)")
+    _add_corpus_flags(sub, warmup_share="5%%")
+    sub.add_argument("--teacher", help="teacher checkpoint directory (HF or attnlab BERT)")
+    sub.add_argument("--student-layers", type=int, help="student = teacher with N layers")
+    sub.add_argument("--student-preset", help="student = a fresh model of this size")
+    sub.add_argument("--temperature", type=float, help="softmax temperature T")
+    sub.add_argument("--alpha-ce", type=float, help="weight of the KL term")
+    sub.add_argument("--alpha-mlm", type=float, help="weight of the student's MLM loss")
+    sub.add_argument(
+        "--alpha-cos", type=float, help="weight of the cosine term (default 1; 0 if widths differ)"
+    )
+
+
+def _add_finetune(commands: _Commands) -> None:
+    """`attnlab finetune` (FinetuneOptions)."""
+    sub = _command(commands, "finetune", cmd_finetune,
+                   "fine-tune BERT on classify/regress/ner/qa data", _FINETUNE)  # fmt: skip
+    _add_run_flags(sub, "output directory (an HF-loadable fine-tuned checkpoint)")
+    sub.add_argument("--task", choices=_TASKS, help="classify, regress, ner or qa")
+    sub.add_argument("--model", help="checkpoint to start from (attnlab or HF BERT)")
+    sub.add_argument("--train", help="training file: .tsv/.csv/.jsonl, CoNLL, SQuAD .json")
+    sub.add_argument("--dev", help="dev file: scored each epoch, the best model is kept")
+    sub.add_argument("--epochs", type=int, help="passes over --train")
+    sub.add_argument("--steps", type=int, help="optimiser steps (overrides --epochs)")
+    sub.add_argument("--batch-size", type=int, help="examples per step")
+    sub.add_argument("--warmup-ratio", type=float, help="warm-up share of steps")
+    sub.add_argument("--weight-decay", type=float, help="AdamW weight decay")
+    sub.add_argument("--eval-every", type=int, help="steps between dev scores (default: epoch)")
+    sub.add_argument("--max-seconds", type=float, help="stop training after this long")
+    sub.add_argument("--best-metric", help="dev metric that picks the kept model")
+    sub.add_argument("--new-head", action="store_true", default=None,
+                     help="replace a fine-tuned --model's head (other task or labels)")  # fmt: skip
+    sub.add_argument("--max-answer-length", type=int, help="qa: longest answer in tokens")
+    sub.add_argument("--language", choices=("auto", "en", "zh"), help="qa: scoring rule")
+    sub.add_argument("--fix-answer-offsets", action="store_true", default=None,
+                     help="qa: move a training answer whose offset is wrong to where its "
+                     "text occurs (default: error)")  # fmt: skip
+    sub.add_argument("--train-answers", choices=("all", "first"),
+                     help="qa: train on every gold answer of a question (all) or on its "
+                     "first only, as HF run_qa does")  # fmt: skip
+    _add_data_flags(sub)
+
+
+def _add_evaluate_and_predict(commands: _Commands) -> None:
+    """`attnlab evaluate` and `attnlab predict` (a fine-tuned model's data settings apply)."""
+    sub = _command(commands, "evaluate", cmd_evaluate,
+                   "score a fine-tuned model on a labelled file",
+                   "attnlab.tasks.finetune.evaluate_file")  # fmt: skip
+    sub.add_argument("--model", required=True, help="fine-tuned checkpoint directory")
+    sub.add_argument("--data", required=True, help="labelled file in the task's format")
+    sub.add_argument("--task", choices=_TASKS, help="must match the model's (default: its own)")
+    sub.add_argument("--batch-size", type=int, help="examples per batch")
+    _add_data_flags(sub, trained=True)
+
+    sub = _command(commands, "predict", cmd_predict,
+                   "write a fine-tuned model's predictions for a file",
+                   "attnlab.tasks.finetune.predict_file")  # fmt: skip
+    sub.add_argument("--model", required=True, help="fine-tuned checkpoint directory")
+    sub.add_argument("--input", required=True, help="file in the task's format (labels unused)")
+    sub.add_argument("--output", required=True, help="JSONL, CoNLL (ner) or SQuAD JSON (qa)")
+    sub.add_argument("--task", choices=_TASKS, help="must match the model's (default: its own)")
+    sub.add_argument("--batch-size", type=int, help="examples per batch")
+    sub.add_argument("--overwrite", action="store_true")
+    _add_data_flags(sub, trained=True)
+
+
+def _add_translate_commands(commands: _Commands) -> None:
     """`attnlab translate [--model DIR ...]`, `translate train ...` and `translate score ...`."""
     text = "translate stdin lines with a trained model; or `translate train|score ...`"
     sub = commands.add_parser("translate", help=text, description=text)
-    sub.set_defaults(func=cmd_translate)
+    sub.set_defaults(func=cmd_translate, command_parser=sub)
+    sub.defaults_from = _TRANSLATE_LINES
     sub.add_argument("--threads", type=int, action=_TranslateOption,
                      help="torch threads (default: torch's choice)")  # fmt: skip
     sub.add_argument("--model", action=_TranslateOption,
@@ -597,55 +869,9 @@ def _add_translate_commands(commands: argparse._SubParsersAction) -> None:
     actions = sub.add_subparsers(
         dest="translate_command", metavar="{train,score}", parser_class=_Parser
     )
-
-    text = (
-        "train a Transformer on parallel text (resumable); without --train, a quick run of a "
-        "small model on the bundled German-English sample"
-    )
-    train = actions.add_parser("train", help=text, description=text)
-    train.set_defaults(func=cmd_translate_train)
-    train.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    train.add_argument("--config", help="TOML or YAML file with any of these options")
-    train.add_argument("--train", nargs="+", metavar="FILE",
-                       help="SRC TGT files or one SRC<TAB>TGT file (default: bundled de-en sample)")  # fmt: skip
-    train.add_argument("--valid", nargs="+", metavar="FILE",
-                       help="validation SRC TGT or TSV (default: hold out part of --train)")  # fmt: skip
-    train.add_argument("--out", help="output directory (a translation model)")
-    train.add_argument("--preset", help="transformer-small (default), -base or -big")
-    train.add_argument("--tokenizer", help="BPE tokenizer directory instead of learning one")
-    train.add_argument("--vocab-size", type=int, help="joint BPE vocabulary size (default 8000)")
-    train.add_argument(
-        "--max-tokens", type=int, help="padded tokens per batch (default 4096; sample 1024)"
-    )
-    train.add_argument("--steps", type=int, help="optimiser steps (default 100000; sample 400)")
-    train.add_argument("--max-minutes", type=float, help="stop (with a checkpoint) after this long")
-    train.add_argument("--lr", type=float, help="peak learning rate (default 7e-4)")
-    train.add_argument("--warmup", type=int, help="warm-up steps (default 4000, <= 10%% of steps)")
-    train.add_argument("--grad-accum", type=int, help="batches per optimiser step")
-    train.add_argument(
-        "--clip-norm",
-        type=float,
-        help="clip the gradient norm to this (default 1.0; 0: no clipping)",
-    )
-    train.add_argument("--dropout", type=float, help="dropout (default: the preset's)")
-    train.add_argument("--label-smoothing", type=float, help="epsilon_ls (default 0.1)")
-    train.add_argument("--average-last", type=int, help="final model = mean of last N checkpoints")
-    train.add_argument("--eval-every", type=int, help="steps between validations (default 1000)")
-    train.add_argument("--eval-sentences", type=int, help="validation pairs scored by BLEU (200)")
-    train.add_argument("--eval-beam", type=int, help="beam for validation BLEU (default 1)")
-    train.add_argument("--save-every", type=int)
-    train.add_argument("--keep-last", type=int)
-    train.add_argument("--log-every", type=int)
-    train.add_argument("--resume", action="store_true", default=None)
-    train.add_argument("--overwrite", action="store_true", default=None)
-    train.add_argument("--seed", type=int)
-    train.add_argument("--precision", choices=("fp32", "bf16"))
-    train.add_argument("--no-progress", dest="progress", action="store_false", default=None)
-
+    _add_translate_train(actions)
     text = "translate --src and print sacreBLEU against --ref as JSON"
-    score = actions.add_parser("score", help=text, description=text)
-    score.set_defaults(func=cmd_translate_score)
-    score.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    score = _command(actions, "score", cmd_translate_score, text, _TRANSLATE_LINES)
     score.add_argument("--model", required=True, help="translation model directory")
     score.add_argument("--src", required=True, help="source sentences, one a line")
     score.add_argument("--ref", required=True, help="reference translations, one a line")
@@ -656,215 +882,43 @@ def _add_translate_commands(commands: argparse._SubParsersAction) -> None:
     _add_decoding_flags(score)
 
 
-# ------------------------------------------------------------------------------- parser
-
-
-def add_training_flags(sub: argparse.ArgumentParser, lr_default: str, warmup_default: str) -> None:
-    """The options every training job on the shared trainer takes (pretrain, distill)."""
-    sub.add_argument("--config", help="TOML or YAML file with any of these options")
-    sub.add_argument("--corpus", nargs="+", help="UTF-8 text files (default: bundled sample)")
-    sub.add_argument("--out", help="output directory (an HF-compatible checkpoint)")
-    sub.add_argument("--steps", type=int)
-    sub.add_argument("--batch-size", type=int, help="examples per optimiser step")
-    sub.add_argument("--seq-len", type=int)
-    sub.add_argument("--lr", type=float, help=f"peak learning rate (default {lr_default})")
-    sub.add_argument(
-        "--warmup", type=int, help=f"warm-up steps (default {warmup_default} of --steps)"
+def _add_translate_train(actions: _Commands) -> None:
+    """`attnlab translate train` (TranslateOptions; the None defaults depend on --train)."""
+    text = (
+        "train a Transformer on parallel text (resumable); without --train, a quick run of a "
+        "small model on the bundled German-English sample"
     )
-    sub.add_argument("--whole-word-masking", action="store_true", default=None)
-    sub.add_argument("--save-every", type=int)
-    sub.add_argument("--keep-last", type=int)
-    sub.add_argument("--eval-every", type=int)
-    sub.add_argument("--log-every", type=int)
-    sub.add_argument("--resume", action="store_true", default=None)
-    sub.add_argument("--overwrite", action="store_true", default=None)
-    sub.add_argument("--seed", type=int)
-    sub.add_argument("--precision", choices=("fp32", "bf16"))
-    sub.add_argument(
-        "--compile", action="store_true", default=None, help="torch.compile the forward pass"
+    train = _command(actions, "train", cmd_translate_train, text, _TRANSLATE)
+    _add_run_flags(train, "output directory (a translation model)")
+    train.add_argument("--train", nargs="+", metavar="FILE",
+                       help="SRC TGT files or one SRC<TAB>TGT file (default: bundled de-en sample)")  # fmt: skip
+    train.add_argument("--valid", nargs="+", metavar="FILE",
+                       help="validation SRC TGT or TSV (default: hold out part of --train)")  # fmt: skip
+    train.add_argument("--preset", help="transformer-small (default), -base or -big")
+    train.add_argument("--tokenizer", help="BPE tokenizer directory instead of learning one")
+    train.add_argument("--vocab-size", type=int, help="joint BPE vocabulary size (default 8000)")
+    train.add_argument(
+        "--max-tokens", type=int, help="padded tokens per batch (default 4096; sample 1024)"
     )
-    sub.add_argument("--cache-dir", help="where tokenized corpora are cached")
-    sub.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    train.add_argument("--steps", type=int, help="optimiser steps (default 100000; sample 400)")
+    train.add_argument("--max-minutes", type=float, help="stop (with a checkpoint) after this long")
+    train.add_argument("--warmup", type=int, help="warm-up steps (default 4000, <= 10%% of steps)")
+    train.add_argument("--grad-accum", type=int, help="batches per optimiser step")
+    train.add_argument("--clip-norm", type=float, help="clip the gradient norm to this (0: none)")
+    train.add_argument("--dropout", type=float, help="dropout (default: the preset's)")
+    train.add_argument("--label-smoothing", type=float, help="epsilon_ls (default 0.1)")
+    train.add_argument("--average-last", type=int, help="final model = mean of last N checkpoints")
+    train.add_argument("--eval-every", type=int, help="steps between validations (default 1000)")
+    train.add_argument("--eval-sentences", type=int, help="validation pairs scored by BLEU")
+    train.add_argument("--eval-beam", type=int, help="beam for validation BLEU")
 
 
-def _add_data_flags(sub: argparse.ArgumentParser) -> None:
-    """How a task file is read (finetune, evaluate, predict; the latter two default to training's)."""
-    sub.add_argument(
-        "--columns",
-        help="names of a headerless table's columns, comma-separated (a,b,label); a first "
-        "row that repeats them is skipped as a header",
-    )
-    sub.add_argument(
-        "--text-column",
-        help="table column of the text (default 'text'; evaluate/predict: training's)",
-    )
-    sub.add_argument("--text-pair-column", help="table column of the second text of a pair")
-    sub.add_argument(
-        "--label-column",
-        help="table column of the label (default 'label'; evaluate/predict: training's)",
-    )
-    sub.add_argument("--tag-column", type=int, help="ner: CoNLL column of the tag (default -1)")
-    sub.add_argument(
-        "--max-length",
-        type=int,
-        help="tokens per input (default 128, qa 384; evaluate/predict: training's)",
-    )
-    sub.add_argument(
-        "--doc-stride",
-        type=int,
-        help="qa: overlap of passage windows (128; evaluate/predict: training's)",
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every attnlab command."""
-    parser = _Parser(prog="attnlab", description="Transformer and BERT toolkit.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    def command(
-        name: str, func: Callable[[argparse.Namespace], None], text: str
-    ) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=text, description=text)
-        sub.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-        sub.set_defaults(func=func)
-        return sub
-
-    sub = command("info", cmd_info, "print a BERT model's config and parameter count as JSON")
-    sub.add_argument("--model", help="BERT checkpoint directory (HF or attnlab)")
-    sub.add_argument("--speedups", action="store_true", help="list the speed-ups and the route")
-
-    sub = command("tokenize", cmd_tokenize, "tokenize lines to JSON input_ids/token_type_ids")
-    sub.add_argument("--model", required=True)
-    sub.add_argument("--input", help="UTF-8 text file (default: stdin)")
-    sub.add_argument("--pair", action="store_true", help="lines are 'A<TAB>B' sentence pairs")
-    sub.add_argument("--max-length", type=int)
-    sub.add_argument("--no-truncate", action="store_true", help="over-long input is an error")
-
-    sub = command("embed", cmd_embed, "sentence embeddings, one JSON array per input line")
-    sub.add_argument("--model", required=True)
-    sub.add_argument("--input", help="UTF-8 text file (default: stdin)")
-    sub.add_argument(
-        "--pooling", choices=("mean", "cls", "none"), default="mean", help="(default mean)"
-    )
-    sub.add_argument("--normalize", action="store_true", help="L2-normalise each vector")
-    sub.add_argument("--batch-size", type=int, default=128, help="most sentences per batch")
-    sub.add_argument("--batch-tokens", type=int, default=2048, help="most padded tokens per batch")
-    sub.add_argument(
-        "--max-length",
-        type=int,
-        help="(default: a sentence-transformers folder's max_seq_length, else the model's maximum)",
-    )
-    sub.add_argument("--no-truncate", action="store_true", help="over-long input is an error")
-    sub.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-
-    sub = command("export", cmd_export, "write a model in HF transformers' BERT layout")
-    sub.add_argument("--model", required=True)
-    sub.add_argument("--format", choices=("hf",), default="hf")
-    sub.add_argument("--out", required=True)
-    sub.add_argument("--overwrite", action="store_true")
-
-    sub = command("pretrain", cmd_pretrain, "pretrain a BERT on text files (resumable)")
-    add_training_flags(sub, lr_default="1e-4", warmup_default="10%%")
-    sub.add_argument("--preset", help="model size (default bert-mini)")
-    sub.add_argument("--objective", choices=("mlm+nsp", "mlm", "mlm+sop"))
-    sub.add_argument("--grad-accum", type=int, help="micro-batches per step")
-    sub.add_argument("--static-masking", action="store_true", default=None)
-    sub.add_argument(
-        "--max-predictions", type=int, help="masked tokens per sequence at most (default: no cap)"
-    )
-    sub.add_argument("--tokenizer", help="use this vocabulary instead of training one")
-    sub.add_argument(
-        "--vocab-size", type=int, help="size of the vocabulary trained on --corpus (default 8000)"
-    )
-    sub.add_argument("--init", help="start from this checkpoint instead of random weights")
-    sub.add_argument("--position-encoding")
-    sub.add_argument("--embedding-size", type=int, help="ALBERT factorised embedding size")
-    sub.add_argument("--share-layers", action="store_true", default=None, help="ALBERT sharing")
-    sub.add_argument("--dropout", type=float, help="hidden and attention dropout (default 0.1)")
-
-    sub = command("fill-mask", cmd_fill_mask, "predict the tokens hidden by [MASK]")
-    sub.add_argument("--model", required=True)
-    sub.add_argument("--top-k", type=int, default=5)
-    sub.add_argument("--json", action="store_true", help="one JSON object per text")
-    sub.add_argument("text", nargs="+", help="text with one or more [MASK]")
-
-    sub = command("distill", cmd_distill, "distil a smaller BERT from a teacher (DistilBERT)")
-    add_training_flags(sub, lr_default="5e-4", warmup_default="5%%")
-    sub.add_argument("--teacher", help="teacher checkpoint directory (HF or attnlab BERT)")
-    sub.add_argument("--grad-accum", type=int, help="micro-batches per step")
-    sub.add_argument("--static-masking", action="store_true", default=None)
-    sub.add_argument(
-        "--max-predictions", type=int, help="masked tokens per sequence at most (default: no cap)"
-    )
-    sub.add_argument("--student-layers", type=int, help="student = teacher with N layers")
-    sub.add_argument("--student-preset", help="student = a fresh model of this size")
-    sub.add_argument("--temperature", type=float, help="softmax temperature T (default 2)")
-    sub.add_argument("--alpha-ce", type=float, help="weight of the KL term (default 5)")
-    sub.add_argument("--alpha-mlm", type=float, help="weight of the student's MLM loss (default 2)")
-    sub.add_argument(
-        "--alpha-cos", type=float, help="weight of the cosine term (default 1; 0 if widths differ)"
-    )
-
-    tasks = ("classify", "regress", "ner", "qa")
-    sub = command("finetune", cmd_finetune, "fine-tune BERT on classify/regress/ner/qa data")
-    sub.add_argument("--config", help="TOML or YAML file with any of these options")
-    sub.add_argument("--task", choices=tasks, help="classify, regress, ner or qa")
-    sub.add_argument("--model", help="checkpoint to start from (attnlab or HF BERT)")
-    sub.add_argument("--train", help="training file: .tsv/.csv/.jsonl, CoNLL, SQuAD .json")
-    sub.add_argument("--dev", help="dev file: scored each epoch, the best model is kept")
-    sub.add_argument("--out", help="output directory (an HF-loadable fine-tuned checkpoint)")
-    sub.add_argument("--epochs", type=int, help="passes over --train (default 3)")
-    sub.add_argument("--steps", type=int, help="optimiser steps (overrides --epochs)")
-    sub.add_argument("--batch-size", type=int, help="examples per step (default 32)")
-    sub.add_argument("--lr", type=float, help="peak learning rate (default 3e-5)")
-    sub.add_argument("--warmup-ratio", type=float, help="warm-up share of steps (default 0.1)")
-    sub.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0.01)")
-    sub.add_argument("--eval-every", type=int, help="steps between dev scores (default: epoch)")
-    sub.add_argument("--best-metric", help="dev metric that picks the kept model")
-    sub.add_argument("--new-head", action="store_true", default=None,
-                     help="replace a fine-tuned --model's head (other task or labels)")  # fmt: skip
-    sub.add_argument("--max-answer-length", type=int, help="qa: longest answer in tokens (30)")
-    sub.add_argument("--language", choices=("auto", "en", "zh"), help="qa: scoring rule")
-    sub.add_argument("--fix-answer-offsets", action="store_true", default=None,
-                     help="qa: move a training answer whose offset is wrong to where its "
-                     "text occurs (default: error)")  # fmt: skip
-    sub.add_argument("--train-answers", choices=("all", "first"),
-                     help="qa: train on every gold answer of a question (default) or on its "
-                     "first only, as HF run_qa does")  # fmt: skip
-    sub.add_argument("--save-every", type=int)
-    sub.add_argument("--keep-last", type=int)
-    sub.add_argument("--log-every", type=int)
-    sub.add_argument("--max-seconds", type=float, help="stop training after this long")
-    sub.add_argument("--resume", action="store_true", default=None)
-    sub.add_argument("--overwrite", action="store_true", default=None)
-    sub.add_argument("--seed", type=int)
-    sub.add_argument("--precision", choices=("fp32", "bf16"))
-    sub.add_argument("--no-progress", dest="progress", action="store_false", default=None)
-    _add_data_flags(sub)
-
-    sub = command("evaluate", cmd_evaluate, "score a fine-tuned model on a labelled file")
-    sub.add_argument("--model", required=True, help="fine-tuned checkpoint directory")
-    sub.add_argument("--data", required=True, help="labelled file in the task's format")
-    sub.add_argument("--task", choices=tasks, help="must match the model's (default: its own)")
-    sub.add_argument("--batch-size", type=int, default=64)
-    _add_data_flags(sub)
-
-    sub = command("predict", cmd_predict, "write a fine-tuned model's predictions for a file")
-    sub.add_argument("--model", required=True, help="fine-tuned checkpoint directory")
-    sub.add_argument("--input", required=True, help="file in the task's format (labels unused)")
-    sub.add_argument("--output", required=True, help="JSONL, CoNLL (ner) or SQuAD JSON (qa)")
-    sub.add_argument("--task", choices=tasks, help="must match the model's (default: its own)")
-    sub.add_argument("--batch-size", type=int, default=64)
-    sub.add_argument("--overwrite", action="store_true")
-    _add_data_flags(sub)
-
-    _add_translate_commands(commands)
-
+def _add_tokenizer_commands(commands: _Commands) -> _Commands:
+    """`attnlab tokenizer train`; returns the group, whose choices build_parser names."""
     tok = commands.add_parser("tokenizer", help="tokenizer tools")
     tok_commands = tok.add_subparsers(dest="tokenizer_command", required=True, parser_class=_Parser)
-    sub = tok_commands.add_parser("train", help="train a WordPiece or BPE vocabulary")
-    sub.set_defaults(func=cmd_tokenizer_train)
-    sub.add_argument("--threads", type=int)
+    sub = _command(tok_commands, "train", cmd_tokenizer_train,
+                   "train a WordPiece or BPE vocabulary")  # fmt: skip
     sub.add_argument("files", nargs="*", metavar="FILES", help="UTF-8 text files (.gz ok)")
     sub.add_argument("--corpus", nargs="+", help="more UTF-8 text files (.gz ok)")
     sub.add_argument(
@@ -877,6 +931,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--cased", action="store_true", help="wordpiece: keep case and accents")
     sub.add_argument("--out", required=True)
     sub.add_argument("--overwrite", action="store_true")
+    return tok_commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every attnlab command."""
+    parser = _Parser(prog="attnlab", description="Transformer and BERT toolkit.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_info_and_tokenize(commands)
+    _add_embed_and_export(commands)
+    _add_pretrain(commands)
+    _add_distill(commands)
+    _add_finetune(commands)
+    _add_evaluate_and_predict(commands)
+    _add_translate_commands(commands)
+    tok_commands = _add_tokenizer_commands(commands)
     for group in (commands, tok_commands):
         # A missing command is named by its choices, as usage shows them, not by its dest
         group.metavar = "{" + ",".join(group.choices) + "}"
@@ -907,6 +976,7 @@ def _leave_process_group() -> None:
 
 def _run(argv: Sequence[str] | None) -> int:
     """main's body: the exit code of one command."""
+    args = None
     try:
         if sys.stdout is None:  # the shell closed it (>&-): results would vanish
             raise AttnlabError("standard output is closed: results are printed there")
@@ -914,7 +984,8 @@ def _run(argv: Sequence[str] | None) -> int:
         _set_threads(args)
         args.func(args)
     except AttnlabError as err:  # one line, whatever text (a file's, a label) it quotes
-        _say("attnlab: error: " + str(err).replace("\r", "\\r").replace("\n", "\\n"))
+        message = err.worded(_flag_spelling(args))  # the library's option names as flags
+        _say("attnlab: error: " + message.replace("\r", "\\r").replace("\n", "\\n"))
         return EXIT_USAGE
     except KeyboardInterrupt:
         _say("attnlab: interrupted")

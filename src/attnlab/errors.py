@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
 class AttnlabError(Exception):
-    """A problem the user can fix (bad input, missing file, wrong option), stated in one line."""
+    """A problem the user can fix (bad input, missing file, wrong option), stated in one line.
+
+    ``options`` names the settings the message is about as the Python API spells them
+    (``beam_size``), so that a front end with its own spelling can say them its way: the CLI
+    prints ``--beam-size`` (see ``worded``). The message itself never names a CLI flag.
+    """
+
+    def __init__(self, message: str = "", *, options: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.options = tuple(options)
+
+    def worded(self, spell: Callable[[str], str]) -> str:
+        """The message with the first mention of each of its options spelled by ``spell``."""
+        message = str(self)
+        for name in self.options:
+            # A whole word only: not inside a path (out/model), a longer name or a flag.
+            mention = re.compile(rf"(?<![\w./\\-]){re.escape(name)}(?![\w/\\-]|\.\w)")
+            found = mention.search(message)
+            if found is not None:
+                message = message[: found.start()] + spell(name) + message[found.end() :]
+        return message
 
 
 def first_line(error: BaseException) -> str:
