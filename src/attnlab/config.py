@@ -372,28 +372,7 @@ class TransformerConfig(_JsonConfig):
                 isinstance(getattr(self, name), bool),
                 f"config: {name} must be true or false, got {getattr(self, name)!r}",
             )
-        _check(
-            not self.share_embeddings or self.src_vocab_size == self.tgt_vocab_size,
-            f"config: share_embeddings needs one vocabulary, but src_vocab_size is "
-            f"{self.src_vocab_size} and tgt_vocab_size {self.tgt_vocab_size}: use a joint "
-            "vocabulary or set share_embeddings=False",
-        )
-        for name in ("pad_id", "bos_id", "eos_id"):
-            value = getattr(self, name)
-            _check(
-                isinstance(value, int) and 0 <= value < self.tgt_vocab_size,
-                f"config: {name} {value!r} is outside the target vocabulary "
-                f"(tgt_vocab_size {self.tgt_vocab_size})",
-            )
-        _check(
-            self.pad_id < self.src_vocab_size,
-            f"config: pad_id {self.pad_id} is outside the source vocabulary "
-            f"(src_vocab_size {self.src_vocab_size})",
-        )
-        _check(
-            self.pad_id != self.eos_id,
-            "config: pad_id and eos_id must differ (an ended sentence is told from padding)",
-        )
+        _check_vocabularies(self)
 
     @property
     def d_head(self) -> int:
@@ -404,6 +383,32 @@ class TransformerConfig(_JsonConfig):
     def presets(cls) -> dict[str, dict[str, Any]]:
         """The named sizes: transformer-small, -base, -big."""
         return TRANSFORMER_PRESETS
+
+
+def _check_vocabularies(config: TransformerConfig) -> None:
+    """Refuse shared embeddings over two vocabularies, or special ids outside them."""
+    _check(
+        not config.share_embeddings or config.src_vocab_size == config.tgt_vocab_size,
+        f"config: share_embeddings needs one vocabulary, but src_vocab_size is "
+        f"{config.src_vocab_size} and tgt_vocab_size {config.tgt_vocab_size}: use a joint "
+        "vocabulary or set share_embeddings=False",
+    )
+    for name in ("pad_id", "bos_id", "eos_id"):
+        value = getattr(config, name)
+        _check(
+            isinstance(value, int) and 0 <= value < config.tgt_vocab_size,
+            f"config: {name} {value!r} is outside the target vocabulary "
+            f"(tgt_vocab_size {config.tgt_vocab_size})",
+        )
+    _check(
+        config.pad_id < config.src_vocab_size,
+        f"config: pad_id {config.pad_id} is outside the source vocabulary "
+        f"(src_vocab_size {config.src_vocab_size})",
+    )
+    _check(
+        config.pad_id != config.eos_id,
+        "config: pad_id and eos_id must differ (an ended sentence is told from padding)",
+    )
 
 
 def _seq2seq_sizes(
