@@ -27,12 +27,14 @@ from attnlab.errors import AttnlabError
 from attnlab.interop.hf import save_bert
 from attnlab.models.bert import BertModel
 from attnlab.tasks.finetune import (
+    DataSettings,
     FinetuneOptions,
     LengthGroupedBatches,
+    QATask,
     collate,
     finetune,
     load_finetuned,
-    read_examples,
+    task_for,
 )
 from attnlab.text.tokenizer import BertTokenizer
 
@@ -175,8 +177,6 @@ def test_collate_turns_qa_answers_into_target_shares():
 
 @pytest.mark.parametrize(("choice", "targets"), [("all", 3), ("first", 1)])
 def test_qa_trains_on_every_answer_or_the_first(choice, targets, tiny_dir, tmp_path):
-    from attnlab.tasks.finetune import featurise
-
     data = json.loads((DATA / "squad.json").read_text())
     qa = data["data"][0]["paragraphs"][0]["qas"][0]
     context = data["data"][0]["paragraphs"][0]["context"]
@@ -185,10 +185,10 @@ def test_qa_trains_on_every_answer_or_the_first(choice, targets, tiny_dir, tmp_p
     qa["answers"] = [gold, gold, shorter]
     assert context[gold["answer_start"] :].startswith(gold["text"])
     path = write(tmp_path / "squad.json", json.dumps(data))
-    settings = {"max_length": 128, "doc_stride": 32, "max_question_length": 64,
-                "_scoring": False, "_train_answers": choice}  # fmt: skip
-    examples = read_examples("qa", path, settings, labelled=True)
-    rows = featurise("qa", BertTokenizer.from_dir(tiny_dir), examples, None, settings, path).rows
+    settings = DataSettings(task="qa", max_length=128, doc_stride=32, max_question_length=64)
+    qa_task = QATask(settings, train_answers=choice)
+    examples = qa_task.read_training(path)
+    rows = qa_task.featurise(BertTokenizer.from_dir(tiny_dir), examples, None, path).rows
     assert len(rows[0]["start_positions"]) == targets
     assert rows[0]["start_positions"][0] > 0  # the answer is in the one window
     assert all(len(row["start_positions"]) == 1 for row in rows[1:])
@@ -426,8 +426,8 @@ def test_columns_with_spaces_after_the_commas_name_the_columns(tiny_dir, tmp_pat
     error listed columns present that looked like the ones asked for)."""
     table = write(tmp_path / "pairs.tsv", "今天天气好\t天气不错\t1\n我不开心\t今天下雨\t0\n")
     settings = {"text_column": "a", "text_pair_column": "b", "label_column": "label"}
-    examples = read_examples(
-        "classify", table, {**settings, "columns": "a, b, label"}, labelled=True
+    examples = task_for(DataSettings(task="classify", **settings, columns="a, b, label")).read(
+        table, labelled=True
     )
     assert [(e.text, e.pair, e.label) for e in examples] == [
         ("今天天气好", "天气不错", "1"),
@@ -589,7 +589,7 @@ def test_squad_training_question_without_answers_is_refused(tiny_dir, tmp_path, 
     args = qa_args(tiny_dir, train, out)
     assert_one_error(run(capsys, *args), "'q2'", 'no "answers" list', '"answers": []')
     assert not out.exists()
-    assert len(read_examples("qa", train, {"_scoring": False}, labelled=False)) == 8
+    assert len(QATask(DataSettings(task="qa")).read(train, labelled=False)) == 8
 
 
 def test_pairs_on_a_one_segment_model_and_one_class_are_refused(tiny_dir, tmp_path, capsys):
@@ -639,12 +639,11 @@ def test_fix_answer_offsets_moves_wrong_offsets_and_drops_absent_answers(
     qas[0]["answers"][0]["answer_start"] += 3  # q1: 'the Black Sea' really starts at 140
     qas[1]["answers"][0]["text"] = "Zagreb"  # q2: not in the context at all
     train = write(tmp_path / "cmrc_like.json", json.dumps(data))
-    settings = {"_scoring": False, "_fix_offsets": True}
-    examples = read_examples("qa", train, settings, labelled=True)
+    examples = QATask(DataSettings(task="qa"), fix_answer_offsets=True).read_training(train)
     by_id = {example.id: example for example in examples}
     assert "q2" not in by_id and len(examples) == 7
     assert by_id["q1"].answers == [{"text": "the Black Sea", "answer_start": 140}]
-    scoring = read_examples("qa", train, {"_scoring": True}, labelled=True)
+    scoring = QATask(DataSettings(task="qa")).read(train, labelled=True)
     assert [e.other_answers for e in scoring if e.id == "q2"] == [["Zagreb"]]
 
     out = tmp_path / "out"
@@ -909,10 +908,10 @@ def test_a_batch_ranks_cannot_split_is_refused_before_overwrite_clears_out(
 ):
     # Before: under torchrun, --overwrite deleted the old run and only then did the trainer
     # refuse a --batch-size the processes cannot split.
-    import attnlab.tasks.finetune
+    import attnlab.tasks.job
     import attnlab.train.trainer
 
-    for module in (attnlab.tasks.finetune, attnlab.train.trainer):  # rank 0 of 2
+    for module in (attnlab.tasks.job, attnlab.train.trainer):  # rank 0 of 2
         monkeypatch.setattr(module, "init_distributed", lambda: (0, 2, 0))
     out = tmp_path / "run"
     out.mkdir()

@@ -588,7 +588,7 @@ def read_squad(
         raise AttnlabError(f'{path}: not SQuAD-style JSON (expected {{"data": [...]}})')
     examples: list[QAExample] = []
     seen: set[str] = set()
-    moved = unlocated = 0
+    moved = 0
     qid = "(first question)"
     try:
         for article in data["data"]:
@@ -596,44 +596,19 @@ def read_squad(
             for paragraph in article["paragraphs"]:
                 context = paragraph["context"]
                 for qa in paragraph["qas"]:
-                    if not isinstance(qa["id"], (str, int)) or isinstance(qa["id"], bool):
-                        raise AttnlabError(  # str() would make ids such as "None"
-                            f"{path}: question id {qa['id']!r} after {qid!r} is neither text "
-                            "nor a number"
-                        )
-                    qid = str(qa["id"])
-                    if qid in seen:
-                        raise AttnlabError(f"{path}: question id {qid!r} appears twice")
-                    seen.add(qid)
-                    if not isinstance(context, str):  # tokenized as is when no answer reads it
-                        raise AttnlabError(f"{path}: the context of question {qid!r} is not text")
-                    if require_answers and not isinstance(qa.get("answers"), list):
-                        raise AttnlabError(
-                            f'{path}: question {qid!r} has no "answers" list: a training file '
-                            'needs one for every question ("answers": [] if it has no answer)'
-                        )
-                    answers, others = [], []
-                    for answer in qa.get("answers", []):
-                        text, given = answer["text"], int(answer["answer_start"])
-                        start = _locate_answer(path, qid, context, text, given, fix_offsets)
-                        if start is None:
-                            others.append(text)
-                        else:
-                            answers.append({"text": text, "answer_start": start})
-                        moved += start is not None and start != given
-                    unlocated += len(others)
-                    # A question may be empty (CMRC 2018's trial set has one): the model
-                    # still reads the passage, and the official scripts score it.
-                    question = qa["question"]
-                    if not isinstance(question, str):  # str() would train on "None" or "['a']"
-                        raise AttnlabError(f"{path}: question {qid!r} is not a string")
-                    examples.append(QAExample(qid, title, question, context, answers, others))
+                    qid = _question_id(path, qa, qid, seen)
+                    example, moved_here = _qa_example(
+                        path, qa, qid, title, context, fix_offsets, require_answers
+                    )
+                    examples.append(example)
+                    moved += moved_here
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as error:
         raise AttnlabError(
             f"{path}: not SQuAD-style JSON near question {qid!r} ({type(error).__name__}: {error})"
         ) from error
     if not examples:
         raise AttnlabError(f"{path} holds no questions")
+    unlocated = sum(len(example.other_answers) for example in examples)
     if moved or unlocated:
         warnings.warn(
             f"{path}: moved {moved} answer offset(s) to where the answer text occurs; "
@@ -641,6 +616,54 @@ def read_squad(
             stacklevel=2,
         )
     return examples
+
+
+def _question_id(path: Path, qa: dict, previous: str, seen: set[str]) -> str:
+    """A question's id as text, refused if it is neither text nor a number, or seen before."""
+    if not isinstance(qa["id"], (str, int)) or isinstance(qa["id"], bool):
+        raise AttnlabError(  # str() would make ids such as "None"
+            f"{path}: question id {qa['id']!r} after {previous!r} is neither text nor a number"
+        )
+    qid = str(qa["id"])
+    if qid in seen:
+        raise AttnlabError(f"{path}: question id {qid!r} appears twice")
+    seen.add(qid)
+    return qid
+
+
+def _qa_example(
+    path: Path,
+    qa: dict,
+    qid: str,
+    title: str,
+    context: object,
+    fix_offsets: bool,
+    require_answers: bool,
+) -> tuple[QAExample, int]:
+    """One question of a SQuAD file as an example, and how many of its answers were moved."""
+    if not isinstance(context, str):  # tokenized as is when no answer reads it
+        raise AttnlabError(f"{path}: the context of question {qid!r} is not text")
+    if require_answers and not isinstance(qa.get("answers"), list):
+        raise AttnlabError(
+            f'{path}: question {qid!r} has no "answers" list: a training file '
+            'needs one for every question ("answers": [] if it has no answer)'
+        )
+    answers, others = [], []
+    moved = 0
+    for answer in qa.get("answers", []):
+        text, given = answer["text"], int(answer["answer_start"])
+        start = _locate_answer(path, qid, context, text, given, fix_offsets)
+        if start is None:
+            others.append(text)
+        else:
+            answers.append({"text": text, "answer_start": start})
+        moved += start is not None and start != given
+    # A question may be empty (CMRC 2018's trial set has one): the model still reads the
+    # passage, and the official scripts score it.
+    question = qa["question"]
+    if not isinstance(question, str):  # str() would train on "None" or "['a']"
+        raise AttnlabError(f"{path}: question {qid!r} is not a string")
+    return QAExample(qid, title, question, context, answers, others), moved
 
 
 class AnswerOffsetError(AttnlabError):
