@@ -419,7 +419,7 @@ def cmd_fill_mask(args: argparse.Namespace) -> None:
     model, tokenizer = _load(args.model, mlm=True)
     for text in args.text:
         predictions = fill_mask(
-            model, tokenizer, text, args.top_k,
+            model, tokenizer, text, **_given(args, "top_k"),
             on_truncate=lambda n: _say(
                 f"warning: a text of {n} tokens was cut to the model's {model.config.max_positions}"
             ),
@@ -775,9 +775,10 @@ def _add_pretrain(commands: _Commands) -> None:
     sub.add_argument("--share-layers", action="store_true", default=None, help="ALBERT sharing")
     sub.add_argument("--dropout", type=float, help="hidden and attention dropout (the preset's)")
 
-    sub = _command(commands, "fill-mask", cmd_fill_mask, "predict the tokens hidden by [MASK]")
+    sub = _command(commands, "fill-mask", cmd_fill_mask, "predict the tokens hidden by [MASK]",
+                   "attnlab.tasks.pretrain.fill_mask")  # fmt: skip
     sub.add_argument("--model", required=True)
-    sub.add_argument("--top-k", type=int, default=5)
+    sub.add_argument("--top-k", type=int, help="predictions shown per [MASK]")
     sub.add_argument("--json", action="store_true", help="one JSON object per text")
     sub.add_argument("text", nargs="+", help="text with one or more [MASK]")
 
