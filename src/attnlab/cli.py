@@ -645,8 +645,9 @@ def _add_run_flags(sub: argparse.ArgumentParser, out_help: str) -> None:
     sub.add_argument("--resume", action="store_true", default=None, help="continue --out's run")
     sub.add_argument("--overwrite", action="store_true", default=None, help="replace --out")
     sub.add_argument("--seed", type=int, help="seed of every random draw")
-    sub.add_argument("--precision", choices=("fp32", "bf16"))
-    sub.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    sub.add_argument("--precision", choices=("fp32", "bf16"), help="training arithmetic")
+    sub.add_argument("--no-progress", dest="progress", action="store_false", default=None,
+                     help="no progress bar on stderr")  # fmt: skip
 
 
 def _add_corpus_flags(sub: argparse.ArgumentParser, warmup_share: str) -> None:
