@@ -20,14 +20,12 @@ class AttnlabError(Exception):
         self.options = tuple(options)
 
     def worded(self, spell: Callable[[str], str]) -> str:
-        """The message with the first mention of each of its options spelled by ``spell``."""
+        """The message with each mention of its options spelled by ``spell``."""
         message = str(self)
         for name in self.options:
             # A whole word only: not inside a path (out/model), a longer name or a flag.
             mention = re.compile(rf"(?<![\w./\\-]){re.escape(name)}(?![\w/\\-]|\.\w)")
-            found = mention.search(message)
-            if found is not None:
-                message = message[: found.start()] + spell(name) + message[found.end() :]
+            message = mention.sub(spell(name).replace("\\", "\\\\"), message)
         return message
 
 

@@ -247,7 +247,9 @@ def _check_makeable(path: Path, flag: str) -> None:
     """Refuse a path below a file (the folders it needs could never be made)."""
     above = next((p for p in path.parents if p.exists()), None)
     if above is not None and not above.is_dir():
-        raise AttnlabError(f"{flag} {path} cannot be made: {above} is a file, not a directory")
+        raise AttnlabError(
+            f"{flag} {path} cannot be made: {above} is a file, not a directory", options=(flag,)
+        )
 
 
 def resolved_path(path: Path, flag: str) -> Path:
@@ -255,27 +257,34 @@ def resolved_path(path: Path, flag: str) -> Path:
     try:
         return path.resolve()
     except (RuntimeError, OSError) as err:  # RuntimeError: "Symlink loop from ..."
-        raise AttnlabError(f"{flag} {path} cannot be used: {err}") from None
+        raise AttnlabError(f"{flag} {path} cannot be used: {err}", options=(flag,)) from None
 
 
-def check_out_location(out: Path, inputs: Sequence[str | Path] = (), flag: str = "--out") -> None:
+def check_out_location(out: Path, inputs: Sequence[str | Path] = (), flag: str = "out") -> None:
     """Refuse an output directory that cannot be made, or whose replacement would lose an input.
 
     Replacing out replaces everything below it: an out that is, or holds, one of the
     command's inputs is refused, as is one that names no directory of its own ('.', '..', '/').
-    flag names out in messages: the command-line option, or the Python argument.
+    flag names out in messages (an AttnlabError option: the CLI says its flag).
     """
     out = Path(out)
     where = resolved_path(out, flag)
+    options = (flag,)
     if out.name in ("", ".", ".."):
-        raise AttnlabError(f"{flag} {str(out)!r} names no directory of its own: give a new one")
+        raise AttnlabError(
+            f"{flag} {str(out)!r} names no directory of its own: give a new one", options=options
+        )
     for source in map(Path, inputs):
         if not source.exists():
             continue
         if where == source.resolve():
-            raise AttnlabError(f"{flag} {out} is the input {source}: write to another directory")
+            raise AttnlabError(
+                f"{flag} {out} is the input {source}: write to another directory", options=options
+            )
         if where in source.resolve().parents:
-            raise AttnlabError(f"{flag} {out} holds the input {source}: choose another {flag}")
+            raise AttnlabError(
+                f"{flag} {out} holds the input {source}: choose another {flag}", options=options
+            )
     _check_makeable(out, flag)
 
 
@@ -288,24 +297,28 @@ def check_output_file(
     existing output that is not a regular file (a FIFO, a device) is refused, since the
     atomic write would replace it with a file.
     """
+    options = ("output", "overwrite")  # the CLI says --output and --overwrite
     if str(output).endswith(os.sep):  # Path() would drop the slash and write a file there
-        raise AttnlabError(f"--output {output} names a directory: name a file")
+        raise AttnlabError(f"output {output} names a directory: name a file", options=options)
     output = Path(output)
-    resolved = resolved_path(output, "--output")
+    resolved = resolved_path(output, "output")
     if output.is_symlink():
         output = resolved
     if output.is_dir():
-        raise AttnlabError(f"--output {output} is a directory: name a file")
+        raise AttnlabError(f"output {output} is a directory: name a file", options=options)
     if output.exists() and not output.is_file():
         raise AttnlabError(
-            f"--output {output} is not a regular file (a device or FIFO?): name a file"
+            f"output {output} is not a regular file (a device or FIFO?): name a file",
+            options=options,
         )
     for source in map(Path, inputs):
         if source.exists() and source.resolve() in (resolved, *resolved.parents):
-            raise AttnlabError(f"--output {output} would replace the input {source}")
-    _check_makeable(output, "--output")
+            raise AttnlabError(f"output {output} would replace the input {source}", options=options)
+    _check_makeable(output, "output")
     if output.exists() and not overwrite:
-        raise AttnlabError(f"--output {output} exists (pass --overwrite to replace it)")
+        raise AttnlabError(
+            f"output {output} exists (pass overwrite to replace it)", options=options
+        )
     return output
 
 
