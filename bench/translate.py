@@ -248,6 +248,7 @@ def natural(args: argparse.Namespace) -> None:
     """Trained weights in both systems, natural lengths; sentences/s, ratio and BLEU of each."""
     import sacrebleu
 
+    from attnlab import fast
     from attnlab.decode import beam_search, map_batches, translate_batches
     from attnlab.tasks.translate import load_translation_model
 
@@ -267,7 +268,7 @@ def natural(args: argparse.Namespace) -> None:
 
     def run_ours() -> list[list[int]]:
         out: list[list[int]] = [[] for _ in sources]
-        with model.packed():  # weights packed once for all batches, as `attnlab translate` does
+        with fast.inference_twins(model):  # the fast twins, as `attnlab translate` runs
             for rows, src, mask in batches:
                 hyps = beam_search(model, src, mask, beam_size=args.beam, length_penalty=0.6,
                                    max_len_a=0.0, max_len_b=args.max_len)  # fmt: skip
@@ -299,8 +300,10 @@ def natural(args: argparse.Namespace) -> None:
 
     def run_ours_workers() -> list[list[int]]:
         # As `attnlab translate` runs by default: several batches at once, the threads split.
-        hyps = translate_batches(model, [(src, mask) for _, src, mask in batches], args.workers,
-                                 args.beam, 0.6, max_len_a=0.0, max_len_b=args.max_len)  # fmt: skip
+        with fast.inference_twins(model):
+            hyps = translate_batches(model, [(src, mask) for _, src, mask in batches], args.workers,
+                                     beam_size=args.beam, length_penalty=0.6, max_len_a=0.0,
+                                     max_len_b=args.max_len)  # fmt: skip
         out: list[list[int]] = [[] for _ in sources]
         for (rows, _, _), batch_hyps in zip(batches, hyps, strict=True):
             for r, h in zip(rows, batch_hyps, strict=True):
@@ -381,6 +384,7 @@ def main() -> None:
         natural(args)
         return
 
+    from attnlab import fast
     from attnlab.config import TransformerConfig
     from attnlab.decode import beam_search, map_batches, translate_batches
     from attnlab.models.seq2seq import Transformer
@@ -420,7 +424,7 @@ def main() -> None:
 
     def run_ours(use_cache: bool) -> list[int]:
         lengths = []
-        with ours.packed():  # weights packed once for all batches, as `attnlab translate` does
+        with fast.inference_twins(ours):  # the fast twins, as `attnlab translate` runs
             for _, src, mask in batches:
                 hyps = beam_search(ours, src, mask, beam_size=args.beam, length_penalty=0.6,
                                    max_len_a=0.0, max_len_b=args.out_len, use_cache=use_cache)  # fmt: skip
@@ -429,8 +433,10 @@ def main() -> None:
 
     def run_ours_workers() -> list[int]:
         # What `attnlab translate` does by default: several batches at once, one thread each.
-        hyps = translate_batches(ours, [(src, mask) for _, src, mask in batches], args.workers,
-                                 args.beam, 0.6, max_len_a=0.0, max_len_b=args.out_len)  # fmt: skip
+        with fast.inference_twins(ours):
+            hyps = translate_batches(ours, [(src, mask) for _, src, mask in batches], args.workers,
+                                     beam_size=args.beam, length_penalty=0.6, max_len_a=0.0,
+                                     max_len_b=args.out_len)  # fmt: skip
         return [len(h) for batch in hyps for h in batch]
 
     def hf_batch(batch: tuple) -> list[int]:

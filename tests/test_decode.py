@@ -10,9 +10,10 @@ import time
 import pytest
 import torch
 
-from attnlab import decode
+from attnlab import decode, fast
 from attnlab.config import TransformerConfig
 from attnlab.decode import (
+    SearchOptions,
     beam_search,
     gnmt_length_penalty,
     greedy_search,
@@ -93,6 +94,26 @@ def test_cached_and_uncached_searches_agree(norm_position: str, position_encodin
     assert beam == beam_search(model, src, mask, beam_size=4, use_cache=False)
 
 
+@pytest.mark.parametrize(
+    ("norm_position", "position_encoding"), [("post", "sinusoidal"), ("pre", "rope")]
+)
+def test_searches_with_the_fast_twins_equal_the_plain_model(
+    norm_position: str, position_encoding: str
+) -> None:
+    # The inference twins (packed products, CPU attention routes, beams sharing their
+    # sentence's cross-attention keys) find the same outputs as the plain model, with and
+    # without the cache.
+    model = peaky_model(norm_position=norm_position, position_encoding=position_encoding)
+    src, mask = sources()
+    greedy = greedy_search(model, src, mask)
+    beam = beam_search(model, src, mask, beam_size=4)
+    with fast.inference_twins(model):
+        assert any(type(m).__name__.startswith("Fast") for m in model.modules())
+        for use_cache in (True, False):
+            assert greedy_search(model, src, mask, use_cache=use_cache) == greedy
+            assert beam_search(model, src, mask, beam_size=4, use_cache=use_cache) == beam
+
+
 def test_log_softmax_in_place_equals_out_of_place() -> None:
     # beam_search normalises the logits in place (out= the input): torch must read each row
     # before it writes it.
@@ -123,7 +144,7 @@ def test_beam_search_with_chunked_top_k_equals_plain_top_k(monkeypatch) -> None:
     model = peaky_model(seed=5, vocab=700)
     src, mask = sources(vocab=700, seed=6)
     fast = beam_search(model, src, mask, beam_size=4)
-    monkeypatch.setattr(decode, "top_k_rows", lambda x, k: x.topk(k, dim=-1))
+    monkeypatch.setattr(decode.search, "top_k_rows", lambda x, k: x.topk(k, dim=-1))
     assert beam_search(model, src, mask, beam_size=4) == fast
 
 
@@ -132,7 +153,9 @@ def test_outputs_are_clean_and_within_each_sentences_length_limit() -> None:
     src, mask = sources(seed=4)
     a, b = 0.5, 2
     limits = (a * mask.sum(-1) + b).long().tolist()
-    for out in (greedy_search(model, src, mask, a, b), beam_search(model, src, mask, 3, 0.6, a, b)):
+    greedy = greedy_search(model, src, mask, max_len_a=a, max_len_b=b)
+    beam = beam_search(model, src, mask, beam_size=3, length_penalty=0.6, max_len_a=a, max_len_b=b)
+    for out in (greedy, beam):
         for ids, limit in zip(out, limits, strict=True):
             assert len(ids) <= limit
             assert not {PAD, BOS, EOS} & set(ids)
@@ -268,14 +291,20 @@ def test_wide_beam_equals_exhaustive_search(alpha: float) -> None:
     vocab, max_len = 5, 3
     model = peaky_model(seed=7, vocab=vocab)
     src, mask = sources(n=5, vocab=vocab, seed=8)
-    found = beam_search(model, src, mask, 16, alpha, max_len_a=0.0, max_len_b=max_len)
+    options = SearchOptions(beam_size=16, length_penalty=alpha, max_len_a=0.0, max_len_b=max_len)
+    found = beam_search(model, src, mask, options)
     for s, ids in zip(src, found, strict=True):
         every = [list(c) for n in range(max_len + 1) for c in itertools.product((3, 4), repeat=n)]
         scores = [score(model, s, c, alpha) for c in every]
         best = max(scores)
         assert abs(score(model, s, ids, alpha) - best) < 1e-5
     # the usual narrow beam may miss the optimum, but never outputs past the length limit
-    assert all(len(ids) <= max_len for ids in beam_search(model, src, mask, 2, alpha, 0.0, 3))
+    assert all(
+        len(ids) <= max_len
+        for ids in beam_search(
+            model, src, mask, beam_size=2, length_penalty=alpha, max_len_a=0.0, max_len_b=3
+        )
+    )
 
 
 def reversal_batch(n: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -331,10 +360,10 @@ def test_tiny_model_learns_to_reverse_and_decodes_exactly() -> None:
 @pytest.mark.parametrize(
     "search, options, fragment",
     [
-        ("beam", {"length_penalty": float("nan")}, "--length-penalty"),  # gave pad-id outputs
-        ("greedy", {"max_len_a": -5.0, "max_len_b": 0.0}, "--max-len-a and --max-len-b"),
-        ("greedy", {"max_len_b": float("nan")}, "--max-len-a and --max-len-b"),  # gave []
-        ("beam", {"beam_size": 0}, "--beam must be from 1"),
+        ("beam", {"length_penalty": float("nan")}, "length_penalty"),  # gave pad-id outputs
+        ("greedy", {"max_len_a": -5.0, "max_len_b": 0.0}, "max_len_a and max_len_b"),
+        ("greedy", {"max_len_b": float("nan")}, "max_len_a and max_len_b"),  # gave []
+        ("beam", {"beam_size": 0}, "beam_size must be from 1"),
     ],
 )
 def test_searches_refuse_settings_that_give_no_sentences(search, options, fragment) -> None:

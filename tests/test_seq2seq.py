@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from attnlab import fast
 from attnlab.config import TransformerConfig
+from attnlab.decode import KVCache
 from attnlab.errors import AttnlabError
 from attnlab.models.bert import count_parameters
 from attnlab.models.seq2seq import Transformer, label_smoothed_cross_entropy
@@ -82,18 +84,21 @@ def test_source_padding_is_ignored() -> None:
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("twins", [False, True])
 @pytest.mark.parametrize("position_encoding", ENCODINGS)
 @pytest.mark.parametrize("norm_position", ["post", "pre"])
 def test_cached_incremental_decoding_equals_full_decode(
-    norm_position: str, position_encoding: str
+    norm_position: str, position_encoding: str, twins: bool
 ) -> None:
     model = tiny(norm_position=norm_position, position_encoding=position_encoding)
+    if twins:
+        fast.for_inference(model.eval())
     src, mask = source_batch()
     tgt = torch.randint(3, 23, (3, 8), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         memory = model.encode(src, mask)
         full = model.decode(tgt, memory, mask)  # (3, 8, vocab)
-        cache = model.new_cache()
+        cache = KVCache(model.config.n_decoder_layers)
         for t in range(tgt.shape[1]):
             step = model.decode(tgt[:, t : t + 1], memory, mask, cache)
             assert cache.length == t + 1

@@ -523,17 +523,42 @@ def _search(args: argparse.Namespace) -> dict[str, object]:
     return search
 
 
+# SearchOptions' fields and the flags that set them: its errors are worded in the fields' names.
+_SEARCH_FLAGS = {
+    "beam_size": "--beam",
+    "length_penalty": "--length-penalty",
+    "max_len_a": "--max-len-a",
+    "max_len_b": "--max-len-b",
+}
+
+
+def _check_search(search: dict[str, object]) -> None:
+    """Refuse search settings as SearchOptions does, naming the flags."""
+    from attnlab.decode import SearchOptions
+
+    fields = {"beam_size" if k == "beam" else k: v for k, v in search.items()}
+    try:
+        SearchOptions(**{k: v for k, v in fields.items() if k in _SEARCH_FLAGS})
+    except AttnlabError as err:
+        message = str(err)
+        for field, flag in _SEARCH_FLAGS.items():
+            message = message.replace(field, flag)
+        raise AttnlabError(message) from None
+
+
 def _translate(
     args: argparse.Namespace, model: Transformer, tokenizer: BpeTokenizer, lines: list[str]
 ) -> list[str]:
     """Translate lines with the decoding flags of translate / translate score."""
     from attnlab.tasks.translate import translate_lines
 
+    search = _search(args)
+    _check_search(search)
     return translate_lines(
         model,
         tokenizer,
         lines,
-        **_search(args),
+        **search,
         on_truncate=lambda n: _say(f"warning: {n} source line(s) too long were truncated"),
     )
 

@@ -1,6 +1,33 @@
-"""Decoding: greedy and beam search over the encoder-decoder Transformer, with a KV cache."""
+"""Decoding: greedy and beam search over the encoder-decoder Transformer, with a KV cache.
 
+``options.py`` holds the search settings (SearchOptions), ``cache.py`` the key/value cache and
+its row moves, ``search.py`` the searches, ``batches.py`` decoding many batches at once.
+"""
+
+from attnlab.decode.batches import map_batches, translate_batches
 from attnlab.decode.cache import KVBuffer, KVCache
-from attnlab.decode.search import *  # noqa: F403  (replaced in the next step)
+from attnlab.decode.options import MAX_BEAM, MAX_LENGTH_PENALTY, SearchOptions
+from attnlab.decode.search import (
+    beam_search,
+    gnmt_length_penalty,
+    greedy_search,
+    keep_rows,
+    top_k_rows,
+    translate_ids,
+)
 
-__all__ = ["KVBuffer", "KVCache"]
+__all__ = [
+    "MAX_BEAM",
+    "MAX_LENGTH_PENALTY",
+    "KVBuffer",
+    "KVCache",
+    "SearchOptions",
+    "beam_search",
+    "gnmt_length_penalty",
+    "greedy_search",
+    "keep_rows",
+    "map_batches",
+    "top_k_rows",
+    "translate_batches",
+    "translate_ids",
+]

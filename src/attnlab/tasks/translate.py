@@ -33,7 +33,7 @@ from torch import nn
 
 from attnlab import fast
 from attnlab.config import TRANSFORMER_PRESETS, TransformerConfig
-from attnlab.decode import MAX_BEAM, check_search_options, translate_batches
+from attnlab.decode import MAX_BEAM, SearchOptions, translate_batches
 from attnlab.errors import AttnlabError, first_line
 from attnlab.interop.hf import all_finite
 from attnlab.io import clear_dir, write_text_atomic, write_with_atomic
@@ -179,7 +179,7 @@ def translate_lines(
 ) -> list[str]:
     """One detokenized translation per line, in input order (an empty line gives "").
 
-    ``workers`` batches decode at once, sharing the torch threads (decode.py: map_batches);
+    ``workers`` batches decode at once, sharing the torch threads (decode/batches.py: map_batches);
     None: one per thread on CPU, 1 on a GPU. A single string is one line.
     """
     if isinstance(lines, str):
@@ -191,7 +191,7 @@ def translate_lines(
         raise AttnlabError("--batch-size must be at least 1")
     if workers is not None and workers < 1:
         raise AttnlabError("--workers must be at least 1")
-    check_search_options(beam, length_penalty, max_len_a, max_len_b)
+    options = SearchOptions(beam, length_penalty, max_len_a, max_len_b, use_cache)
     config = model.config
     todo = [i for i, line in enumerate(lines) if line.strip()]
     ids, truncated = [], 0
@@ -209,9 +209,8 @@ def translate_lines(
     batches = [(pad_batch([ids[j] for j in c], tokenizer.pad_id).to(device), None) for c in chunks]
     if workers is None:  # GPU kernels of two batches would only queue behind each other
         workers = torch.get_num_threads() if device.type == "cpu" else 1
-    hyps = translate_batches(
-        model, batches, workers, beam, length_penalty, max_len_a, max_len_b, use_cache
-    )
+    with fast.inference_twins(model):  # packed weights, CPU attention routes
+        hyps = translate_batches(model, batches, workers, options)
     outputs = [""] * len(lines)
     for chunk, batch_hyps in zip(chunks, hyps, strict=True):
         for j, text in zip(chunk, tokenizer.decode_batch(batch_hyps), strict=True):
