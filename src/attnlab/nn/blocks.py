@@ -152,18 +152,19 @@ class DecoderLayer(nn.Module):
 
         With a cache, x holds only the new positions; layer ``index``'s slots are read and updated.
         """
-        residual = self.self_attn_residual
+        # Masked self-attention: each position sees itself and the positions before it.
+        h = self.self_attn_residual.sublayer_input(x)
         h, self_w = self.self_attn(
-            residual.sublayer_input(x), bias=self_bias, causal=True, rope=rope, cache=cache,
-            layer=index, need_weights=need_weights,
-        )  # fmt: skip
-        x = residual(x, h)
-        residual = self.cross_attn_residual
-        h, cross_w = self.cross_attn(
-            residual.sublayer_input(x), memory, bias=memory_bias, cache=cache, layer=index,
+            h, bias=self_bias, causal=True, rope=rope, cache=cache, layer=index,
             need_weights=need_weights,
         )  # fmt: skip
-        x = residual(x, h)
+        x = self.self_attn_residual(x, h)
+        # Cross-attention: queries from the decoder, keys and values from the encoder output.
+        h = self.cross_attn_residual.sublayer_input(x)
+        h, cross_w = self.cross_attn(
+            h, memory, bias=memory_bias, cache=cache, layer=index, need_weights=need_weights
+        )
+        x = self.cross_attn_residual(x, h)
         h = self.ffn(self.ffn_residual.sublayer_input(x))
         return self.ffn_residual(x, h), self_w, cross_w
 
