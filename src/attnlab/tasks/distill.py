@@ -324,7 +324,7 @@ class DistillOptions(RunOptions):
         for name in ("steps", "batch_size", "grad_accum", "seq_len", "max_predictions"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
+                raise AttnlabError(f"{name} must be at least 1", options=(name,))
         check_upper_bounds(self.batch_size, self.seq_len)
         if not 0 < self.temperature < math.inf:
             raise AttnlabError(f"--temperature must be a finite number > 0, got {self.temperature}")
@@ -339,7 +339,7 @@ class DistillOptions(RunOptions):
             resolved_path(self.teacher, "--teacher"),
         )
         if out == teacher:
-            raise AttnlabError("--out must differ from --teacher")
+            raise AttnlabError("out must differ from teacher", options=("out", "teacher"))
 
     def pretraining(self) -> PretrainOptions:
         """The pretraining settings of the same data: MLM-only examples."""

@@ -103,9 +103,9 @@ def embed(
         model = model.bert
     if pooling not in POOLINGS:
         raise AttnlabError(f"unknown pooling {pooling!r} (choose from mean, cls, none)")
-    for flag, value in (("--batch-size", max_batch), ("--batch-tokens", max_tokens)):
+    for flag, value in (("max_batch", max_batch), ("max_tokens", max_tokens)):
         if value < 1:
-            raise AttnlabError(f"{flag} must be at least 1, got {value}")
+            raise AttnlabError(f"{flag} must be at least 1, got {value}", options=(flag,))
     limit = model.config.max_positions
     if max_length is None:
         max_length = min(limit, tokenizer.max_length or limit)

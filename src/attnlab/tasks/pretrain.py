@@ -276,7 +276,7 @@ class PretrainOptions(RunOptions):
         ):
             value = getattr(self, name)
             if value is not None and value < 1:  # vocab_size None: the default
-                raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
+                raise AttnlabError(f"{name} must be at least 1", options=(name,))
         check_upper_bounds(self.batch_size, self.seq_len)
         for name in ("eval_documents", "eval_examples"):  # 0: no held-out evaluation
             if getattr(self, name) < 0:
@@ -565,7 +565,7 @@ def fill_mask(
             "(load_bert(..., heads=True))"
         )
     if top_k < 1:
-        raise AttnlabError("--top-k must be at least 1")
+        raise AttnlabError("top_k must be at least 1", options=("top_k",))
     limit = model.config.max_positions
     enc = tokenizer.encode(text, max_length=limit)
     ids = torch.tensor([enc.ids])

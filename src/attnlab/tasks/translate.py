@@ -188,9 +188,9 @@ def translate_lines(
         bad = next(line for line in lines if not isinstance(line, str))
         raise AttnlabError(f"lines must be strings, got a {type(bad).__name__}")
     if batch_size < 1:
-        raise AttnlabError("--batch-size must be at least 1")
+        raise AttnlabError("batch_size must be at least 1", options=("batch_size",))
     if workers is not None and workers < 1:
-        raise AttnlabError("--workers must be at least 1")
+        raise AttnlabError("workers must be at least 1", options=("workers",))
     options = SearchOptions(beam, length_penalty, max_len_a, max_len_b, use_cache)
     config = model.config
     todo = [i for i, line in enumerate(lines) if line.strip()]
@@ -295,17 +295,17 @@ class TranslateOptions(RunOptions):
             )
         for name in ("vocab_size", "max_tokens", "grad_accum", "average_last", "eval_beam"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
+                raise AttnlabError(f"{name} must be at least 1", options=(name,))
         if self.eval_beam > MAX_BEAM:
             raise AttnlabError(f"--eval-beam must be at most {MAX_BEAM}, got {self.eval_beam}")
         if self.steps < 1:
-            raise AttnlabError("--steps must be at least 1")
+            raise AttnlabError("steps must be at least 1", options=("steps",))
         if self.eval_every < 0 or self.save_every < 0:
             raise AttnlabError("--eval-every and --save-every must be >= 0")
         if self.max_minutes is not None and not self.max_minutes > 0:
-            raise AttnlabError("--max-minutes must be > 0")
+            raise AttnlabError("max_minutes must be > 0", options=("max_minutes",))
         if self.eval_sentences < 0:
-            raise AttnlabError("--eval-sentences must be >= 0")
+            raise AttnlabError("eval_sentences must be >= 0", options=("eval_sentences",))
         if not 0 <= self.clip_norm < math.inf:
             raise AttnlabError(f"--clip-norm must be a finite number >= 0, got {self.clip_norm}")
 

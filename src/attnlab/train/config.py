@@ -133,7 +133,7 @@ class RunOptions:
         # Typed as the CLI's --config files are checked (a Python caller may pass "3" for 3).
         check_field_types(self, None)
         if not self.lr > 0:  # finite already
-            raise AttnlabError(f"--lr must be > 0, got {self.lr}")
+            raise AttnlabError(f"lr must be > 0, got {self.lr}", options=("lr",))
         if self.log_every < 1:
             raise AttnlabError(f"--log-every must be at least 1, got {self.log_every}")
         if self.keep_last < 0:

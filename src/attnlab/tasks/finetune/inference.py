@@ -99,7 +99,7 @@ def check_model_fits(task: FinetuneTask, model_dir: Path) -> None:
     if max_length > limit:
         raise AttnlabError(f"--max-length {max_length} is above the model's maximum ({limit})")
     if max_length < 8:
-        raise AttnlabError("--max-length must be at least 8")
+        raise AttnlabError("max_length must be at least 8", options=("max_length",))
 
 
 @dataclass

@@ -45,10 +45,10 @@ class FinetuneOptions(DataSettings, RunOptions):
         task = task_class(self.task)
         for name in ("epochs", "batch_size", "eval_batch_size"):
             if getattr(self, name) < 1:
-                raise AttnlabError(f"--{name.replace('_', '-')} must be at least 1")
+                raise AttnlabError(f"{name} must be at least 1", options=(name,))
         self.check()
         if self.steps is not None and self.steps < 1:
-            raise AttnlabError("--steps must be at least 1")
+            raise AttnlabError("steps must be at least 1", options=("steps",))
         if self.weight_decay < 0:  # finite already
             raise AttnlabError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if not 0 <= self.warmup_ratio < 1:

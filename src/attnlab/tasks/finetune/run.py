@@ -65,7 +65,7 @@ def check_options(opts: FinetuneOptions) -> None:
         opts.max_length = task_class(opts.task).default_max_length
     out = opts.out
     if out.exists() and opts.model.exists() and out.resolve() == opts.model.resolve():
-        raise AttnlabError("--out must differ from --model")
+        raise AttnlabError("out must differ from model", options=("out", "model"))
     # A run killed before its first log row may hold a checkpoint, or nothing yet.
     started = holds_run(out) or (out / BEST_DIR).exists()
     inputs = [opts.model, opts.train, opts.dev]
