@@ -37,8 +37,9 @@ def matmul_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 1.0) 
     The fastest single call counts, so a moment of contention on a shared machine lowers the
     figure less than an average would (a low peak would inflate every utilisation against it).
     Two kernels are timed, ``torch.mm`` and, for fp32, oneDNN's product with a pre-packed
-    weight (what attnlab's inference uses, attnlab/nn/packed.py), and the faster counts: on the
-    2-core benchmark machine oneDNN's is about 13% faster (227 against 198 GFLOP/s).
+    weight (what attnlab's inference uses, attnlab/fast/linear.py: PackedLinear), and the
+    faster counts: on the 2-core benchmark machine oneDNN's is about 13% faster (227 against
+    198 GFLOP/s).
     """
     from attnlab.fast.linear import PackedLinear
 
@@ -67,9 +68,10 @@ def peak_dtype(precision: str) -> torch.dtype:
     """The dtype whose matmul peak is the yardstick for a run in ``precision`` ("fp32"/"bf16").
 
     bf16 runs are measured against the bf16 peak where the CPU multiplies bf16 faster than
-    fp32 (AMX; AMD's avx512_bf16: attnlab/cpu.py), which is what both systems' products then
-    run on (2,957 against 442 GFLOP/s on a 2-core Xeon with AMX); elsewhere attnlab computes
-    bf16 products with the fp32 kernel (attnlab/nn/linear.py), so the fp32 peak stays.
+    fp32 (AMX; AMD's avx512_bf16: attnlab/fast/route.py), which is what both systems'
+    products then run on (2,957 against 442 GFLOP/s on a 2-core Xeon with AMX); elsewhere
+    attnlab computes bf16 products with the fp32 kernel (attnlab/fast/linear.py), so the fp32
+    peak stays.
     """
     from attnlab.fast.route import fast_bf16_matmul
 
@@ -106,19 +108,26 @@ def training_step(
 ) -> Callable[[dict[str, torch.Tensor]], float]:
     """The trainer's step (forward, backward, clip to 1.0, AdamW step) as a function of a batch.
 
-    As in the trainer, on CPU the large embeddings' gradients avoid a fresh buffer each step
-    (``train/grads.py: kept_embedding_grads``) unless ``keep_grads`` is False (as under compile).
+    With the trainer's speed-ups that ATTNLAB_SPEEDUPS selects (fast/training.py): kept
+    embedding gradients (unless ``keep_grads`` is False, as under compile), clipping inside
+    fused AdamW's step, glibc keeping freed memory. The model's twins are the caller's choice
+    (``attnlab.fast.for_training``).
     """
-    from attnlab.fast.training import clipped_step, kept_embedding_grads
+    from attnlab.fast.swap import TRAINING, chosen
+    from attnlab.fast.training import clipped_step, keep_freed_memory, kept_embedding_grads
 
+    names = {s.name for s in chosen(TRAINING)}
+    if "keep_freed_memory" in names:
+        keep_freed_memory()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
-    kept = kept_embedding_grads(model) if keep_grads else None
+    kept = kept_embedding_grads(model) if keep_grads and "embedding_grads" in names else None
+    in_step = "clip_in_step" in names
 
     def step(batch: dict[str, torch.Tensor]) -> float:
         with autocast, kept or nullcontext():  # the lookups' kind is fixed in the forward pass
             loss = model(**batch)["loss"]
         loss.backward()
-        clipped_step(optimizer, model.parameters(), 1.0, kept)
+        clipped_step(optimizer, model.parameters(), 1.0, kept, in_step=in_step)
         optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 

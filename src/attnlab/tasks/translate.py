@@ -459,14 +459,17 @@ def evaluation(
     def evaluate(model: nn.Module) -> dict[str, float]:
         device = next(model.parameters()).device
         loss = nll = tokens = 0.0
-        for batch in batches.once():
-            out = model(**{k: v.to(device) for k, v in batch.items()})
-            n = float(out["n_tokens"])
-            loss, nll, tokens = (
-                loss + float(out["loss"]) * n,
-                nll + float(out["nll_loss"]) * n,
-                tokens + n,
-            )
+        # Inference twins, swapped in for this evaluation only: their packed weights are made
+        # from this step's weights and dropped after.
+        with fast.inference_twins(model):
+            for batch in batches.once():
+                out = model(**{k: v.to(device) for k, v in batch.items()})
+                n = float(out["n_tokens"])
+                loss, nll, tokens = (
+                    loss + float(out["loss"]) * n,
+                    nll + float(out["nll_loss"]) * n,
+                    tokens + n,
+                )
         metrics = {
             "valid_loss": loss / tokens,
             "valid_nll_loss": nll / tokens,
