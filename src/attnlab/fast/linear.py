@@ -235,6 +235,9 @@ def packed_linear(
         and not torch.compiler.is_compiling()
     )
     if not usable:
+        # A training forward: the weights are about to change, and an optimizer may change
+        # them without moving their version (fused AdamW), so a pack kept now would go stale.
+        owner.__dict__.pop(PACKED, None)
         y = linear(x, weight, bias)
         return F.relu(y) if relu else y
     return _onednn(x, _pack(owner, weight), bias, "relu" if relu else "none")
