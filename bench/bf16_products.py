@@ -1,4 +1,4 @@
-"""bf16 autocast products: PyTorch's own kernel against attnlab's `linear` (nn/linear.py), side by side.
+"""bf16 autocast products: PyTorch's own kernel against attnlab's `linear` (fast/linear.py), side by side.
 
 For bert-small's training products (4,096 tokens; the feed-forward, fused QKV and MLM-decoder
 shapes) it times one linear layer's forward and backward under CPU bf16 autocast, once with

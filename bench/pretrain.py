@@ -13,8 +13,8 @@ It also prints the utilisation with the last layer counted at every position. Th
 measured before and after the runs; the higher one is the yardstick.
 
 With bf16 on a CPU that multiplies bf16 no faster than fp32 (no AMX, nor AMD's avx512_bf16;
-attnlab/cpu.py), attnlab computes autocast's bf16 products with the fp32 kernel
-(attnlab/nn/linear.py: same numbers up to the order of the sums) while HF runs PyTorch's bf16
+attnlab/fast/route.py), attnlab computes autocast's bf16 products with the fp32 kernel
+(attnlab/fast/linear.py: same numbers up to the order of the sums) while HF runs PyTorch's bf16
 kernels: emulated without avx512_bf16 (about 5x slower than fp32), with Intel's avx512_bf16
 about 1.5x slower; the script says so when that is the case, since the ratio then measures
 that choice.
@@ -26,10 +26,10 @@ one side.
 
 Both systems run under one allocator setting: ``--malloc keep`` (the default, and what
 attnlab's trainer sets: glibc keeps freed memory, so no fresh pages are faulted in for each
-step's large temporaries; attnlab/train/memory.py) or ``--malloc default`` (glibc as it
-comes). Each system runs in a fresh process of its own: glibc raises its thresholds after
-the first large blocks are freed, so a system timed after another in the same process would
-run under an allocator the first one had tuned.
+step's large temporaries; attnlab/fast/training.py: keep_freed_memory) or ``--malloc
+default`` (glibc as it comes). Each system runs in a fresh process of its own: glibc raises
+its thresholds after the first large blocks are freed, so a system timed after another in the
+same process would run under an allocator the first one had tuned.
 
 Usage: python bench/pretrain.py [--preset bert-small] [--batch-size 32] [--seq-len 128]
        [--steps 10] [--precision fp32|bf16] [--threads T] [--malloc keep|default] [--rounds 2]

@@ -1,11 +1,12 @@
 """Resident memory through a pretraining run, and what handing freed memory back would change.
 
-The trainer keeps freed memory in glibc's heap (train/memory.py). This runs the pretraining
-recipe's data, model and trainer (bert-mini on the Chinese corpus of bench/pretrain_quality.py,
-batch 32 x 128, no evaluation or checkpoints) and prints one JSON row every --log-every steps:
-the process's resident size and glibc's heap figures (mallinfo2: the heap's size, what is in
-use, what lies free). --release-every S also hands the heap's free pages back to the kernel
-(glibc's malloc_trim) between steps once S seconds have passed; the trainer does not.
+The trainer keeps freed memory in glibc's heap (fast/training.py: keep_freed_memory). This
+runs the pretraining recipe's data, model and trainer (bert-mini on the Chinese corpus of
+bench/pretrain_quality.py, batch 32 x 128, no evaluation or checkpoints) and prints one JSON
+row every --log-every steps: the process's resident size and glibc's heap figures
+(mallinfo2: the heap's size, what is in use, what lies free). --release-every S also hands
+the heap's free pages back to the kernel (glibc's malloc_trim) between steps once S seconds
+have passed; the trainer does not.
 
 Usage: python bench/pretrain_memory.py --out DIR [--steps 1000] [--release-every never|60]
        [--threads 1] [--preset bert-mini] [--lang zh|en] [--max-predictions N]

@@ -1,4 +1,4 @@
-"""Training products by oneDNN against MKL (nn/linear.py's route), whole pretraining steps.
+"""Training products by oneDNN against MKL (fast/linear.py's route), whole pretraining steps.
 
 attnlab picks the library for its fp32 training products by CPU vendor and flags
 (``onednn_trains_faster``), not by a timing. This runs bench/pretrain.py's attnlab step in a

@@ -1,14 +1,14 @@
 """Memory-bound parts of a bert-small training step and of distillation's, attnlab's and plain.
 
-- MLM loss forward and backward on (598, 30,522) logits: ``nn/loss.py: summed_cross_entropy``
+- MLM loss forward and backward on (598, 30,522) logits: ``fast/loss.py: summed_cross_entropy``
   against ``F.cross_entropy(reduction="sum")``;
 - distillation's KL term forward and backward on two (598, 30,522) logits at T = 2:
-  ``nn/loss.py: summed_kl_divergence`` against ``F.kl_div`` of two ``log_softmax``es
+  ``fast/loss.py: summed_kl_divergence`` against ``F.kl_div`` of two ``log_softmax``es
   (what ``attnlab distill`` computed before);
 - a bias gradient, the column sums of a (4,096, 2,048) output gradient: ``ones @ rows``
-  (nn/linear.py) against ``rows.sum(0)``;
+  (fast/linear.py) against ``rows.sum(0)``;
 - the clipping norm of bert-small's gradients: squared norms by BLAS dot
-  (``train/grads.py: _total_norm``) against ``linalg.vector_norm`` of each, as
+  (``fast/training.py: _total_norm``) against ``linalg.vector_norm`` of each, as
   ``torch.nn.utils.clip_grad_norm_`` computes it.
 
 Each timed alone, median of ``--repeats``; the two results of each pair are compared too.
