@@ -260,6 +260,9 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> None:
     check_out_dir(Path(args.out), args.overwrite, inputs=files)
     if not files:
         raise AttnlabError("tokenizer train needs text files (FILES... or --corpus)")
+    if args.type in ("byte-bpe", "char"):  # a language model's (text/lm_tokenizer.py)
+        _train_lm_tokenizer(args, files)
+        return
     vocab_size = args.vocab_size
     if vocab_size is None:
         vocab_size = 8000 if args.type == "bpe" else 30522
@@ -280,6 +283,24 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> None:
             f"note: more than --vocab-size {vocab_size}: the corpus's characters and the "
             "special tokens alone take that many"
         )
+
+
+def _train_lm_tokenizer(args: argparse.Namespace, files: list[str]) -> None:
+    """`tokenizer train --type byte-bpe|char`: a language model's vocabulary in --out."""
+    from attnlab.io import staged_dir
+    from attnlab.text.lm_tokenizer import train_byte_bpe, train_char
+
+    if args.cased:
+        raise AttnlabError(f"--cased is a WordPiece option: {args.type} always keeps case")
+    if args.type == "char" and args.vocab_size is not None:
+        raise AttnlabError("--vocab-size does not apply to char: the corpus's characters are it")
+    if args.type == "char":
+        tokenizer = train_char(files)
+    else:
+        tokenizer = train_byte_bpe(files, 8000 if args.vocab_size is None else args.vocab_size)
+    with staged_dir(Path(args.out), args.overwrite) as stage:
+        tokenizer.save(stage)
+    _say(f"trained a {args.type} vocabulary of {tokenizer.vocab_size} tokens -> {args.out}")
 
 
 def _yaml_load(text: str) -> object:
@@ -950,11 +971,14 @@ def _add_tokenizer_commands(commands: _Commands) -> _Commands:
     sub.add_argument("--corpus", nargs="+", help="more UTF-8 text files (.gz ok)")
     sub.add_argument(
         "--type",
-        choices=("wordpiece", "bpe"),
+        choices=("wordpiece", "bpe", "byte-bpe", "char"),
         default="wordpiece",
-        help="wordpiece (BERT) or bpe (joint translation vocabulary; TSV lines allowed)",
+        help="wordpiece (BERT), bpe (joint translation vocabulary; TSV lines allowed), "
+        "byte-bpe (GPT-2's byte-level BPE) or char (the corpus's characters)",
     )
-    sub.add_argument("--vocab-size", type=int, help="default 30522 (wordpiece), 8000 (bpe)")
+    sub.add_argument(
+        "--vocab-size", type=int, help="default 30522 (wordpiece), 8000 (bpe, byte-bpe)"
+    )
     sub.add_argument("--cased", action="store_true", help="wordpiece: keep case and accents")
     sub.add_argument("--out", required=True)
     sub.add_argument("--overwrite", action="store_true")
