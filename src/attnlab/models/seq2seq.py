@@ -81,6 +81,8 @@ class Transformer(nn.Module):
             attention_dropout=c.attention_dropout,
             activation=c.activation,
             layer_norm_eps=c.layer_norm_eps,
+            shaw_max_distance=c.shaw_max_distance if c.position_encoding == "shaw" else None,
+            shaw_values=c.shaw_values,
         )
         self.encoder = Encoder(c.n_encoder_layers, c.norm_position, **layer_args)
         self.decoder = Decoder(c.n_decoder_layers, c.norm_position, **layer_args)
@@ -163,6 +165,12 @@ class Transformer(nn.Module):
 
         src_mask (batch, src_len) is True/1 for real tokens; by default ``src_ids != pad_id``.
         """
+        return self.encode_with_weights(src_ids, src_mask)[0]
+
+    def encode_with_weights(
+        self, src_ids: Tensor, src_mask: Tensor | None = None, need_weights: bool = False
+    ) -> tuple[Tensor, list[Tensor]]:
+        """encode(), and with need_weights each layer's self-attention weights (batch, heads, src, src)."""
         check_token_batch(src_ids, "src_ids", src_mask=src_mask)
         check_id_range(src_ids, "src_ids", self.config.src_vocab_size, "src_vocab_size")
         if src_mask is None:
@@ -176,8 +184,10 @@ class Transformer(nn.Module):
         if pos_bias is not None:
             pos_bias = pos_bias.to(x.dtype)
             bias = pos_bias if bias is None else bias + pos_bias
-        memory, _, _ = self.encoder(x, bias=bias, rope=self.src_positions.rotary(positions))
-        return memory
+        memory, _, weights = self.encoder(
+            x, bias=bias, rope=self.src_positions.rotary(positions), need_weights=need_weights
+        )
+        return memory, weights
 
     def decode_hidden(
         self,
@@ -193,6 +203,21 @@ class Transformer(nn.Module):
         memory and src_mask may have one row per group of consecutive target rows (the beams of
         a sentence); the group then shares it.
         """
+        return self.decode_with_weights(tgt_ids, memory, src_mask, cache)[0]
+
+    def decode_with_weights(
+        self,
+        tgt_ids: Tensor,
+        memory: Tensor | None,
+        src_mask: Tensor,
+        cache: Cache | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """decode_hidden(), and with need_weights each layer's weights: (hidden, self, cross).
+
+        Self-attention weights are (batch, heads, tgt, tgt), cross-attention weights (batch,
+        heads, tgt, src); both empty lists without need_weights.
+        """
         check_id_range(tgt_ids, "tgt_ids", self.config.tgt_vocab_size, "tgt_vocab_size")
         start = cache.length if cache is not None else 0
         new = tgt_ids.shape[1]
@@ -206,15 +231,15 @@ class Transformer(nn.Module):
         self_bias = self.tgt_positions.attention_bias(q_pos, k_pos)  # (1, heads, new, all)
         if self_bias is not None:
             self_bias = self_bias.to(x.dtype)
-        h, _, _ = self.decoder(
+        return self.decoder(
             x,
             memory,
             self_bias=self_bias,
             memory_bias=self._memory_bias(src_mask, x.dtype),
             rope=self.tgt_positions.rotary(q_pos),
             cache=cache,
+            need_weights=need_weights,
         )
-        return h
 
     def project(self, hidden: Tensor) -> Tensor:
         """Decoder output (..., d_model) -> logits (..., tgt_vocab_size): x W_out^T, or x E^T when tied."""
@@ -242,10 +267,14 @@ class Transformer(nn.Module):
         tgt_out: Tensor | None = None,
         src_mask: Tensor | None = None,
         tgt_normalizer: Tensor | None = None,
-    ) -> dict[str, Tensor]:
+        need_weights: bool = False,
+    ) -> dict[str, Tensor | list[Tensor]]:
         """Teacher forcing: src_ids (batch, src_len), tgt_in / tgt_out (batch, tgt_len).
 
-        Without tgt_out, returns {"logits": (batch, tgt_len, vocab)}. With it, returns "loss"
+        Without tgt_out, returns {"logits": (batch, tgt_len, vocab)}; need_weights adds each
+        layer's attention weights, as HF names them: "encoder_attentions" (batch, heads, src,
+        src), "decoder_attentions" (batch, heads, tgt, tgt), "cross_attentions" (batch, heads,
+        tgt, src). With it, returns "loss"
         (label-smoothed cross-entropy summed over non-pad target tokens / their count),
         "nll_loss" (the same without smoothing: log-perplexity per token) and "n_tokens"; the
         projection then runs only at non-pad positions and the logits are not kept.
@@ -261,8 +290,19 @@ class Transformer(nn.Module):
             )
         if src_mask is None:
             src_mask = src_ids != self.config.pad_id
-        memory = self.encode(src_ids, src_mask)
-        hidden = self.decode_hidden(tgt_in, memory, src_mask)
+        if need_weights and tgt_out is not None:
+            raise AttnlabError("need_weights returns logits and weights: pass no tgt_out with it")
+        memory, encoder_weights = self.encode_with_weights(src_ids, src_mask, need_weights)
+        hidden, self_weights, cross_weights = self.decode_with_weights(
+            tgt_in, memory, src_mask, need_weights=need_weights
+        )
+        if need_weights:
+            return {
+                "logits": self.project(hidden),
+                "encoder_attentions": encoder_weights,
+                "decoder_attentions": self_weights,
+                "cross_attentions": cross_weights,
+            }
         if tgt_out is None:
             return {"logits": self.project(hidden)}
         keep = tgt_out != self.config.pad_id

@@ -1,0 +1,1 @@
+"""Looking inside the models (M9): attention maps, the attention page, heatmaps, PE plots."""
