@@ -364,6 +364,7 @@ def test_every_configured_scheme_builds_and_answers_its_hooks(name: str) -> None
         "relative_bias": "bias",
         "alibi": "bias",
         "rope": "rotary",
+        "shaw": None,  # inside each self-attention layer (tests/test_shaw.py)
         "none": None,
     }[name]
     assert [h for h, on in hooks.items() if on] == ([expected] if expected else [])

@@ -23,6 +23,7 @@ POSITION_ENCODINGS = (
     "learned",
     "sinusoidal",
     "relative_bias",
+    "shaw",
     "rope",
     "alibi",
     "normalized",
@@ -162,6 +163,10 @@ class BertConfig(_JsonConfig):
     initializer_range: float = 0.02
     relative_buckets: int = 32
     relative_max_distance: int = 128
+    # shaw: clipping distance k. The paper finds no gain beyond k >= 2 (its ablation of k); 16 keeps
+    # word-to-phrase distances apart while the tables stay small (2k + 1 vectors a layer).
+    shaw_max_distance: int = 16
+    shaw_values: bool = True  # shaw: a^V on the values too, as the paper's main model
     rope_base: float = 10000.0
     embedding_size: int | None = None  # ALBERT: factorised embeddings (E < d_model); None = d_model
     share_layers: bool = False  # ALBERT: one layer's weights used by all n_layers
@@ -243,13 +248,13 @@ class BertConfig(_JsonConfig):
 
 
 def _check_norm_and_positions(config: BertConfig | TransformerConfig) -> None:
-    """Refuse a negative LayerNorm epsilon, an unusable relative-bias table or RoPE base."""
+    """Refuse a negative LayerNorm epsilon, an unusable relative-bias or Shaw table or RoPE base."""
     # Each would fail the model's build or first step, or make every output NaN.
     _check(
         config.layer_norm_eps >= 0,
         f"config: layer_norm_eps must be >= 0, got {config.layer_norm_eps!r}",
     )
-    for name in ("relative_buckets", "relative_max_distance"):
+    for name in ("relative_buckets", "relative_max_distance", "shaw_max_distance"):
         value = getattr(config, name)
         _check(0 < value < 2**31, f"config: {name} must be a positive integer, got {value!r}")
     if config.position_encoding == "relative_bias":
@@ -315,6 +320,8 @@ class TransformerConfig(_JsonConfig):
     label_smoothing: float = 0.1
     relative_buckets: int = 32
     relative_max_distance: int = 128
+    shaw_max_distance: int = 16  # shaw's clipping distance k (see BertConfig)
+    shaw_values: bool = True
     rope_base: float = 10000.0
 
     def __post_init__(self) -> None:

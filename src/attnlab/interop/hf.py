@@ -59,6 +59,8 @@ ATTNLAB_ONLY = (
     "position_encoding",
     "relative_buckets",
     "relative_max_distance",
+    "shaw_max_distance",
+    "shaw_values",
     "rope_base",
     "embedding_size",
     "share_layers",
@@ -186,6 +188,11 @@ _HEAD_NAMES = {
 }
 
 
+def _in_hf_layer(name: str) -> bool:
+    """Whether HF's BERT layer has this parameter of ours (not Shaw et al.'s relative tables)."""
+    return not name.startswith("self_attn.relative.")
+
+
 def _normalise_hf_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
     # Old TF-converted checkpoints call LayerNorm parameters gamma/beta; some add "bert.".
     out = {}
@@ -219,7 +226,7 @@ def bert_state_from_hf(state: dict[str, Tensor], model: nn.Module) -> dict[str, 
             tensor = take(_TOP_NAMES[plain])
         elif plain in _HEAD_NAMES:
             tensor = take(_HEAD_NAMES[plain])
-        elif match := _LAYER.match(plain):
+        elif (match := _LAYER.match(plain)) and _in_hf_layer(match.group(2)):
             index, rest = match.groups()
             base = f"encoder.layer.{index}."
             if rest.startswith("self_attn.qkv_proj."):
@@ -259,7 +266,7 @@ def bert_state_to_hf(model: nn.Module) -> dict[str, Tensor]:
             out[prefix + _TOP_NAMES[plain]] = tensor
         elif plain in _HEAD_NAMES:
             out[_HEAD_NAMES[plain]] = tensor
-        elif match := _LAYER.match(plain):
+        elif (match := _LAYER.match(plain)) and _in_hf_layer(match.group(2)):
             index, rest = match.groups()
             base = f"{prefix}encoder.layer.{index}."
             if rest.startswith("self_attn.qkv_proj."):

@@ -103,6 +103,7 @@ class BertModel(nn.Module):
         super().__init__()
         self.config = config
         self.embeddings = BertEmbeddings(config)
+        shaw = config.position_encoding == "shaw"  # Shaw et al.: positions inside self-attention
         self.encoder = Encoder(
             config.n_layers,
             norm_position=config.norm_position,
@@ -114,6 +115,8 @@ class BertModel(nn.Module):
             attention_dropout=config.attention_dropout,
             activation=config.activation,
             layer_norm_eps=config.layer_norm_eps,
+            shaw_max_distance=config.shaw_max_distance if shaw else None,
+            shaw_values=config.shaw_values,
         )
         self.pooler = BertPooler(config) if add_pooler else None
         self.apply(self.init_weights)

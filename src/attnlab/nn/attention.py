@@ -4,7 +4,9 @@ Read top to bottom: the masks (padding, causal); scaled dot-product attention, e
 ``Attention(Q, K, V) = softmax(QK^T / sqrt(d_k)) V``, in two paths that compute the same thing
 (PyTorch's fused ``scaled_dot_product_attention``, and the formula spelled out, which also
 returns the weights, for visualisation); RoPE's rotation of queries and keys (Su et al. 2021);
-then multi-head attention, section 3.2.2: ``MultiHead(Q, K, V) = Concat(head_1..head_h) W^O``.
+then multi-head attention, section 3.2.2: ``MultiHead(Q, K, V) = Concat(head_1..head_h) W^O``;
+last, Shaw et al. 2018's self-attention with relative position representations, the same
+module with eq. (1) replaced by their eqs. (3) and (4).
 
 Decoding caches keys and values (``attnlab.decode.cache``); this module sees a cache only
 through the small ``Cache`` interface. Faster routes for CPU training and decoding are twins
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.errors import AttnlabError
+from attnlab.nn.positions import RelativePositionRepresentations
 
 # --- masks ------------------------------------------------------------------------------------
 
@@ -238,3 +241,94 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.update(layer, k, v)
         out, weights = self.attend(q, k, v, bias, causal, need_weights)
         return self.out_proj(self.merge_heads(out)), weights
+
+
+# --- relative position representations (Shaw et al. 2018) ---------------------------------------
+
+
+def relative_scores(q: Tensor, k: Tensor, a_keys: Tensor) -> Tensor:
+    """Shaw et al. eq. (4): e_ij = q_i (k_j + a^K_ij)^T / sqrt(d_z), (batch, heads, q_len, k_len).
+
+    Split in two as in their section 3.3, eq. (5): q_i k_j^T over the heads' keys, and
+    q_i a^K_ij^T over the offsets' vectors, which all heads share. q: (batch, heads, q_len,
+    d_head); k: (batch, heads, k_len, d_head); a_keys: (q_len, k_len, d_head).
+    """
+    content = torch.matmul(q, k.transpose(-2, -1))  # q_i k_j^T
+    position = torch.einsum("bhqd,qkd->bhqk", q, a_keys.to(q.dtype))  # q_i a^K_ij^T
+    return (content + position) / math.sqrt(q.shape[-1])
+
+
+def relative_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a_keys: Tensor,
+    a_values: Tensor | None,
+    bias: Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """Shaw et al. eqs. (4) and (3): attention that also sees each key's offset from the query.
+
+    alpha_ij = softmax_j(e_ij + bias_ij) with e from ``relative_scores``, then
+    z_i = sum_j alpha_ij (v_j + a^V_ij), again split in two (eq. (5)'s form); without a_values,
+    z_i = sum_j alpha_ij v_j. v: (batch, heads, k_len, d_head); a_values (q_len, k_len, d_head)
+    or None. Returns the output (batch, heads, q_len, d_head) and the weights before dropout
+    (batch, heads, q_len, k_len).
+    """
+    scores = relative_scores(q, k, a_keys)
+    if bias is not None:
+        scores = scores + bias
+    weights = torch.softmax(scores, dim=-1)
+    dropped = F.dropout(weights, dropout_p)
+    out = torch.matmul(dropped, v)  # sum_j alpha_ij v_j
+    if a_values is not None:
+        out = out + torch.einsum("bhqk,qkd->bhqd", dropped, a_values.to(q.dtype))
+    return out, weights
+
+
+class RelativeMultiHeadAttention(MultiHeadAttention):
+    """Multi-head self-attention with Shaw et al.'s learned relative positions (their section 3).
+
+    Projections, cache and W^O as ``MultiHeadAttention``; only Vaswani et al.'s eq. (1) changes,
+    to ``relative_attention`` with this layer's a^K (and a^V), shared by its heads. A class of its
+    own, so that code swapping in faster twins of ``MultiHeadAttention`` by class (attnlab.fast)
+    leaves it on this plain path.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        dropout: float = 0.0,
+        max_distance: int = 16,
+        values: bool = True,
+        bias: bool = True,
+    ) -> None:
+        super().__init__(d_model, n_heads, dropout, cross=False, bias=bias)
+        self.relative = RelativePositionRepresentations(self.d_head, max_distance, values)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, causal: bool, need_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """Eqs. (3)-(4) for every head at once; queries are the last q_len of the k_len positions."""
+        rows, q_len, k_len = q.shape[0], q.shape[-2], k.shape[-2]
+        k, v, bias = share_rows(k, rows), share_rows(v, rows), share_rows(bias, rows)
+        if causal and q_len > 1:  # one query at the newest position (a decoding step) sees all
+            bias = with_causal_bias(bias, q_len, k_len, q.dtype, q.device)
+        a_keys, a_values = self.relative(q_len, k_len, q.device)
+        dropout_p = self.dropout if self.training else 0.0
+        out, weights = relative_attention(q, k, v, a_keys, a_values, bias, dropout_p)
+        return out, (weights if need_weights else None)
+
+
+def self_attention(
+    d_model: int,
+    n_heads: int,
+    dropout: float = 0.0,
+    shaw_max_distance: int | None = None,
+    shaw_values: bool = True,
+) -> MultiHeadAttention:
+    """A layer's self-attention: plain, or Shaw et al.'s when given their clipping distance k."""
+    if shaw_max_distance is None:
+        return MultiHeadAttention(d_model, n_heads, dropout)
+    return RelativeMultiHeadAttention(d_model, n_heads, dropout, shaw_max_distance, shaw_values)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab.nn.attention import Cache, MultiHeadAttention
+from attnlab.nn.attention import Cache, MultiHeadAttention, self_attention
 
 ACTIVATION_FUNCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,  # exact (erf) GELU, as BERT and HF's "gelu"
@@ -87,10 +87,15 @@ class EncoderLayer(nn.Module):
         activation: str = "relu",
         norm_position: str = "post",
         layer_norm_eps: float = 1e-5,
+        shaw_max_distance: int | None = None,
+        shaw_values: bool = True,
     ) -> None:
         super().__init__()
         self.pre_norm = pre_norm = norm_position == "pre"
-        self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
+        # Shaw et al.'s relative positions (a clipping distance given) live in self-attention.
+        self.self_attn = self_attention(
+            d_model, n_heads, attention_dropout, shaw_max_distance, shaw_values
+        )
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.ffn = FeedForward(d_model, d_ff, activation)
         self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
@@ -124,10 +129,15 @@ class DecoderLayer(nn.Module):
         activation: str = "relu",
         norm_position: str = "post",
         layer_norm_eps: float = 1e-5,
+        shaw_max_distance: int | None = None,
+        shaw_values: bool = True,
     ) -> None:
         super().__init__()
         self.pre_norm = pre_norm = norm_position == "pre"
-        self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout)
+        # Shaw et al.'s relative positions (a clipping distance given) live in self-attention.
+        self.self_attn = self_attention(
+            d_model, n_heads, attention_dropout, shaw_max_distance, shaw_values
+        )
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.cross_attn = MultiHeadAttention(d_model, n_heads, attention_dropout, cross=True)
         self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)

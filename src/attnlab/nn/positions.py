@@ -17,7 +17,11 @@ Self-attention is order-blind, so position must enter somewhere. The schemes dif
 - rotating queries and keys: ``rope`` (Su et al. 2021), so q_m . k_n depends on n - m only.
   Dimension i is paired with i + d_head/2 ("rotate half", as GPT-NeoX and HF's Llama), not
   with its neighbour as in the paper's equation (RoFormer): the same rotation with the head's
-  dimensions in another order.
+  dimensions in another order;
+- inside each self-attention layer: ``shaw`` (Shaw et al. 2018), learned vectors a^K_ij (and
+  a^V_ij) for the clipped offset j - i, added to the keys (and values) a query sees. Each layer
+  owns its tables (``RelativePositionRepresentations``, held by
+  ``nn/attention.py: RelativeMultiHeadAttention``), so the model-level scheme has no hook.
 
 A model asks each hook once per forward pass; a hook that does not apply returns None.
 """
@@ -238,6 +242,51 @@ class RotaryPositions(PositionEncoding):
         return angles.cos(), angles.sin()
 
 
+class RelativePositionRepresentations(nn.Module):
+    """Shaw et al. 2018, section 3.2: w^K_o (and w^V_o) for each clipped offset o, one layer's.
+
+    a^K_ij = w^K_clip(j - i, k) and a^V_ij = w^V_clip(j - i, k), where clip(x, k) =
+    max(-k, min(k, x)): 2k + 1 learned vectors of the head size, shared by the layer's heads
+    (section 3.3), so every offset beyond k looks the same as k.
+    """
+
+    def __init__(self, d_head: int, max_distance: int, values: bool = True) -> None:
+        super().__init__()
+        self.max_distance = max_distance  # the paper's clipping distance k
+        n_offsets = 2 * max_distance + 1
+        self.keys = nn.Parameter(torch.empty(n_offsets, d_head).normal_(std=0.02))  # w^K
+        self.values = (
+            nn.Parameter(torch.empty(n_offsets, d_head).normal_(std=0.02)) if values else None
+        )  # w^V, or None: the paper's ablation with a^K only
+
+    def offsets(self, q_len: int, k_len: int, device: torch.device | None = None) -> Tensor:
+        """Row index of each (query, key) pair's table entry: clip(j - i, -k, k) + k, (q_len, k_len).
+
+        Queries are the last ``q_len`` of the ``k_len`` positions, as in cached decoding.
+        """
+        k_pos = torch.arange(k_len, device=device)
+        q_pos = k_pos[k_len - q_len :]
+        relative = k_pos[None, :] - q_pos[:, None]  # (q, k): j - i
+        return relative.clamp(-self.max_distance, self.max_distance) + self.max_distance
+
+    def forward(
+        self, q_len: int, k_len: int, device: torch.device | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """a^K and a^V (or None), each (q_len, k_len, d_head), for these query and key counts."""
+        index = self.offsets(q_len, k_len, device)
+        a_values = None if self.values is None else self.values[index]
+        return self.keys[index], a_values
+
+
+class ShawPositions(PositionEncoding):
+    """Shaw et al. 2018: position enters only inside self-attention, so every model hook is None.
+
+    The learned tables live in each self-attention layer (``nn/attention.py:
+    RelativeMultiHeadAttention``, built by the layers when the model passes its config's
+    ``shaw_max_distance``).
+    """
+
+
 def build_position_encoding(
     name: str,
     d_model: int,
@@ -269,9 +318,11 @@ def build_position_encoding(
         return ALiBi(n_heads)
     if name == "rope":
         return RotaryPositions(d_head or d_model // n_heads, rope_base)
+    if name == "shaw":
+        return ShawPositions()
     if name == "none":
         return PositionEncoding()
     raise AttnlabError(
         f"unknown position encoding {name!r} (choose from learned, sinusoidal, relative_bias, "
-        "rope, alibi, normalized, integer, none)"
+        "shaw, rope, alibi, normalized, integer, none)"
     )

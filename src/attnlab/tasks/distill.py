@@ -92,6 +92,8 @@ def student_from_teacher(
             position_encoding=base.position_encoding,
             relative_buckets=base.relative_buckets,
             relative_max_distance=base.relative_max_distance,
+            shaw_max_distance=base.shaw_max_distance,
+            shaw_values=base.shaw_values,
             rope_base=base.rope_base,
             activation=base.activation,
             norm_position=base.norm_position,
