@@ -1014,6 +1014,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_finetune(commands)
     _add_evaluate_and_predict(commands)
     _add_translate_commands(commands)
+    from attnlab.commands import ablate
+
+    ablate.add_commands(commands)
     tok_commands = _add_tokenizer_commands(commands)
     for group in (commands, tok_commands):
         # A missing command is named by its choices, as usage shows them, not by its dest
