@@ -920,3 +920,34 @@ def test_a_batch_ranks_cannot_split_is_refused_before_overwrite_clears_out(
     code, _, err = run(capsys, *args, "--batch-size", "3", "--overwrite")
     assert code == 2 and "not divisible by the 2 processes" in err, err
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]  # the old run, untouched
+
+
+def test_evaluate_and_predict_progress_goes_to_stderr_only(tiny_dir, tmp_path, capsys):
+    from attnlab.progress import LONG_INPUT
+
+    out = tmp_path / "model"
+    code, _, err = run(
+        capsys, "finetune", "--task", "classify", "--model", tiny_dir, "--train",
+        DATA / "sentiment.tsv", "--text-column", "sentence", "--out", out, "--epochs", "1",
+        "--batch-size", "4", *FAST,
+    )  # fmt: skip
+    assert code == 0, err
+    header, *rows = (DATA / "sentiment_dev.tsv").read_text().splitlines()
+    long = write(tmp_path / "long.tsv", "\n".join([header, *(rows * LONG_INPUT)][: LONG_INPUT + 2]))
+    n = LONG_INPUT + 1
+    code, with_bar, err = run(capsys, "evaluate", "--model", out, "--data", long)
+    assert code == 0 and f"{n}/{n}" in err  # tqdm's count, finished
+    code, without_bar, err = run(
+        capsys, "evaluate", "--model", out, "--data", long, "--no-progress"
+    )
+    assert (code, err) == (0, "")
+    assert with_bar == without_bar and len(with_bar.splitlines()) == 1
+    for flags, shown in (((), True), (("--no-progress",), False)):
+        output = tmp_path / f"pred{len(flags)}.jsonl"
+        code, stdout, err = run(
+            capsys, "predict", "--model", out, "--input", long, "--output", output, *flags
+        )
+        assert (code, stdout) == (0, "")
+        assert (f"{n}/{n}" in err) == shown and err.endswith(f"wrote predictions for {n} "
+                                                            f"example(s) to {output}\n")  # fmt: skip
+    assert (tmp_path / "pred0.jsonl").read_text() == (tmp_path / "pred1.jsonl").read_text()

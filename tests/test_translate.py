@@ -157,6 +157,32 @@ def test_translate_keeps_lines_and_order(run_dir, cli):
     assert code == 0 and len(greedy.splitlines()) == 1
 
 
+def test_translate_progress_goes_to_stderr_and_leaves_stdout_unchanged(run_dir, cli):
+    from attnlab.progress import LONG_INPUT
+    from attnlab.tasks.translate import translate_lines
+
+    out, _, _ = run_dir
+    words = ["Der Mann liest.", "Guten Morgen!", "", "Das Wetter ist schön.", "Ein Hund."]
+    lines = [words[i % len(words)] for i in range(LONG_INPUT + 1)]  # long: a bar in a log too
+    stdin = "\n".join(lines) + "\n"
+    args = ("translate", "--model", out, "--greedy", "--batch-size", 16, "--max-len-b", 4)
+    code, with_bar, err = cli(*args, "--workers", 2, stdin=stdin)
+    assert code == 0, err
+    assert f"{len(lines)}/{len(lines)}" in err  # tqdm's count, finished
+    code, without_bar, err = cli(*args, "--no-progress", stdin=stdin)
+    assert (code, err) == (0, "")
+    assert with_bar == without_bar and len(with_bar.split("\n")) == len(lines) + 1
+    # the library's callback: told of every line once (the empty ones too)
+    model, tokenizer = load_translation_model(out)
+    done: list[int] = []
+    hyps = translate_lines(model, tokenizer, lines[:40], beam=1, batch_size=4, max_len_b=4,
+                           progress=done.append)  # fmt: skip
+    assert sum(done) == 40 and len(done) > 1
+    assert hyps == with_bar.split("\n")[:40]
+    score = ("score", "--model", out, "--src", out, "--ref", out)
+    assert_one_error(*cli("translate", "--no-progress", *score), "--no-progress", "score")
+
+
 def test_translate_truncates_a_long_source_with_a_warning(run_dir, cli):
     out, _, _ = run_dir
     long_line = " ".join(["Der Mann liest ein Buch und"] * 20)

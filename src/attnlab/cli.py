@@ -500,8 +500,9 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     from attnlab.tasks.finetune import evaluate_file
 
     metrics = evaluate_file(
-        args.model, args.data, args.task, _data_overrides(args), **_given(args, "batch_size")
-    )
+        args.model, args.data, args.task, _data_overrides(args), **_given(args, "batch_size"),
+        progress=args.progress,
+    )  # fmt: skip
     _print_json(metrics)
 
 
@@ -517,6 +518,7 @@ def cmd_predict(args: argparse.Namespace) -> None:
         _data_overrides(args),
         overwrite=args.overwrite,
         **_given(args, "batch_size"),
+        progress=args.progress,
     )
     _say(f"wrote predictions for {n} example(s) to {args.output}")
 
@@ -578,17 +580,20 @@ def _translate(
     args: argparse.Namespace, model: Transformer, tokenizer: BpeTokenizer, lines: list[str]
 ) -> list[str]:
     """Translate lines with the decoding flags of translate / translate score."""
+    from attnlab.progress import progress_bar
     from attnlab.tasks.translate import translate_lines
 
     search = _search(args)
     _check_search(search)
-    return translate_lines(
-        model,
-        tokenizer,
-        lines,
-        **search,
-        on_truncate=lambda n: _say(f"warning: {n} source line(s) too long were truncated"),
-    )
+    with progress_bar(len(lines), "line", args.progress) as progress:
+        return translate_lines(
+            model,
+            tokenizer,
+            lines,
+            **search,
+            on_truncate=lambda n: _say(f"warning: {n} source line(s) too long were truncated"),
+            progress=progress,
+        )
 
 
 def cmd_translate(args: argparse.Namespace) -> None:
@@ -904,6 +909,7 @@ def _add_evaluate_and_predict(commands: _Commands) -> None:
     sub.add_argument("--data", required=True, help="labelled file in the task's format")
     sub.add_argument("--task", choices=_TASKS, help="must match the model's (default: its own)")
     sub.add_argument("--batch-size", type=int, help="examples per batch")
+    _add_progress_flag(sub)
     _add_data_flags(sub, trained=True)
 
     sub = _command(commands, "predict", cmd_predict,
@@ -915,6 +921,7 @@ def _add_evaluate_and_predict(commands: _Commands) -> None:
     sub.add_argument("--task", choices=_TASKS, help="must match the model's (default: its own)")
     sub.add_argument("--batch-size", type=int, help="examples per batch")
     sub.add_argument("--overwrite", action="store_true")
+    _add_progress_flag(sub)
     _add_data_flags(sub, trained=True)
 
 
@@ -931,6 +938,7 @@ def _add_translate_commands(commands: _Commands) -> None:
     sub.add_argument("--input", action=_TranslateOption,
                      help="UTF-8 source file (default: stdin)")  # fmt: skip
     _add_decoding_flags(sub, noted=True)
+    _add_progress_flag(sub, noted=True)
     # An optional subcommand: without one, `translate` itself translates (the common case).
     actions = sub.add_subparsers(
         dest="translate_command", metavar="{train,score}", parser_class=_Parser
@@ -946,6 +954,7 @@ def _add_translate_commands(commands: _Commands) -> None:
         help="sacreBLEU tokenizer (default: zh when the references are mostly Chinese, else 13a)",
     )
     _add_decoding_flags(score)
+    _add_progress_flag(score)
 
 
 def _add_translate_train(actions: _Commands) -> None:

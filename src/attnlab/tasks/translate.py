@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
-from torch import nn
+from torch import Tensor, nn
 
 from attnlab import fast
 from attnlab.config import TRANSFORMER_PRESETS, TransformerConfig
@@ -176,11 +176,13 @@ def translate_lines(
     use_cache: bool = True,
     on_truncate: Callable[[int], None] | None = None,
     workers: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[str]:
     """One detokenized translation per line, in input order (an empty line gives "").
 
     ``workers`` batches decode at once, sharing the torch threads (decode/batches.py: map_batches);
-    None: one per thread on CPU, 1 on a GPU. A single string is one line.
+    None: one per thread on CPU, 1 on a GPU. A single string is one line. progress(n) is told
+    of each n lines done.
     """
     if isinstance(lines, str):
         lines = [lines]
@@ -210,12 +212,35 @@ def translate_lines(
     if workers is None:  # GPU kernels of two batches would only queue behind each other
         workers = torch.get_num_threads() if device.type == "cpu" else 1
     with fast.inference_twins(model):  # packed weights, CPU attention routes
-        hyps = translate_batches(model, batches, workers, options)
+        hyps = _decode_batches(model, batches, chunks, workers, options, progress)
+    if progress is not None:
+        progress(len(lines) - len(todo))  # the empty lines
     outputs = [""] * len(lines)
     for chunk, batch_hyps in zip(chunks, hyps, strict=True):
         for j, text in zip(chunk, tokenizer.decode_batch(batch_hyps), strict=True):
             outputs[todo[j]] = text
     return outputs
+
+
+def _decode_batches(
+    model: Transformer,
+    batches: list[tuple[Tensor, None]],
+    chunks: list[list[int]],
+    workers: int,
+    options: SearchOptions,
+    progress: Callable[[int], None] | None,
+) -> list[list[list[int]]]:
+    """translate_batches on all batches; with progress, a few rounds of workers at a time."""
+    if progress is None:
+        return translate_batches(model, batches, workers, options)
+    # A round ends when its slowest batch does: several batches per worker keep that wait
+    # short, and the batches of a round, sorted by length, take about as long as each other.
+    step = 4 * workers
+    hyps: list[list[list[int]]] = []
+    for start in range(0, len(batches), step):
+        hyps += translate_batches(model, batches[start : start + step], workers, options)
+        progress(sum(len(chunk) for chunk in chunks[start : start + step]))
+    return hyps
 
 
 # ---------------------------------------------------------------------------- training

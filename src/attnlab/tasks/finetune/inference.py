@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from attnlab.errors import AttnlabError
 from attnlab.interop.hf import checkpoint_task, load_task_model, read_config
 from attnlab.io import check_output_file, write_text_atomic
 from attnlab.nn.mode import eval_mode
+from attnlab.progress import progress_bar
 from attnlab.text import tasks as task_data
 from attnlab.text.tokenizer import BertTokenizer
 
@@ -43,10 +44,12 @@ def run_model(
     rows: Sequence[dict[str, Any]],
     pad_id: int,
     batch_size: int = EVAL_BATCH_SIZE,
+    progress: Callable[[int], None] | None = None,
 ) -> Outputs:
     """The model's outputs for every row, in row order; token outputs cut to the row's length.
 
-    Rows are run longest first in batches of similar length, so padding stays small.
+    Rows are run longest first in batches of similar length, so padding stays small;
+    progress(n) is told of each n rows done.
     """
     if batch_size < 1:
         raise AttnlabError(f"--batch-size must be at least 1, got {batch_size}")
@@ -66,6 +69,8 @@ def run_model(
                     k: v[j, :n] if k in TOKEN_OUTPUTS or v.ndim == 3 else v[j]
                     for k, v in outputs.items()
                 }
+            if progress is not None:
+                progress(len(index))
     return results
 
 
@@ -137,10 +142,16 @@ class FinetunedModel:
         source: Path,
         batch_size: int,
         labels: task_data.LabelSet | None = None,
+        progress: bool | None = False,
     ) -> tuple[TaskData, Outputs]:
-        """The examples' model rows (with targets when labels is given) and the model's outputs."""
+        """The examples' model rows (with targets when labels is given) and the model's outputs.
+
+        progress: a bar on stderr over the rows (None: on a terminal or a long input).
+        """
         data = self.task.featurise(self.tokenizer, examples, labels, source)
-        return data, run_model(self.model, data.rows, self.tokenizer.pad_id, batch_size)
+        with progress_bar(len(data.rows), "row", progress) as advance:
+            outputs = run_model(self.model, data.rows, self.tokenizer.pad_id, batch_size, advance)
+        return data, outputs
 
 
 def read_settings(model_dir: Path, saved_task: str | None) -> DataSettings:
@@ -214,13 +225,14 @@ def evaluate_file(
     task: str | None = None,
     overrides: dict[str, Any] | None = None,
     batch_size: int = EVAL_BATCH_SIZE,
+    progress: bool | None = False,
 ) -> dict[str, float]:
-    """The task's metrics of a fine-tuned model on a labelled file."""
+    """The task's metrics of a fine-tuned model on a labelled file (progress: as FinetunedModel.run)."""
     loaded = load_finetuned(model_dir, task, overrides)
     path = Path(data)
     examples = loaded.task.read(path, labelled=True)
     loaded.task.check_scorable(examples, path)
-    features, outputs = loaded.run(examples, path, batch_size, loaded.labels)
+    features, outputs = loaded.run(examples, path, batch_size, loaded.labels, progress)
     return loaded.task.score(features, outputs, loaded.labels)
 
 
@@ -232,13 +244,17 @@ def predict_file(
     overrides: dict[str, Any] | None = None,
     overwrite: bool = False,
     batch_size: int = EVAL_BATCH_SIZE,
+    progress: bool | None = False,
 ) -> int:
-    """Write predictions for an (unlabelled) input file; returns how many examples."""
+    """Write predictions for an (unlabelled) input file; returns how many examples.
+
+    progress: as FinetunedModel.run.
+    """
     output = check_output_file(output_path, overwrite, inputs=[input_path, model_dir])
     loaded = load_finetuned(model_dir, task, overrides)
     path = Path(input_path)
     examples = loaded.task.read(path, labelled=False)
-    data, outputs = loaded.run(examples, path, batch_size)
+    data, outputs = loaded.run(examples, path, batch_size, progress=progress)
     rows = loaded.task.prediction_rows(data, outputs, loaded.labels)
     write_text_atomic(output, loaded.task.prediction_text(rows, output))
     return len(examples)
