@@ -30,7 +30,14 @@ from typing import Any, Protocol
 
 from attnlab.config import POSITION_ENCODINGS
 from attnlab.errors import AttnlabError
-from attnlab.io import check_input_file, check_out_location, lock_out_dir, write_text_atomic
+from attnlab.io import (
+    check_input_file,
+    check_out_location,
+    clear_dir,
+    contents,
+    lock_out_dir,
+    write_text_atomic,
+)
 
 TASKS = ("lm", "mlm")
 STATE_FILE = "ablation.json"  # the settings a resumed ablation must share
@@ -338,11 +345,12 @@ def _start(opts: AblateOptions) -> dict[str, Any]:
     """The ablation's state in out: made afresh, or read back when resuming the same settings."""
     state_file = opts.out / STATE_FILE
     if opts.overwrite and opts.out.exists():
-        from attnlab.io import clear_dir
-
         clear_dir(opts.out)
     if state_file.is_file():
-        state = json.loads(state_file.read_text(encoding="utf-8"))
+        try:
+            state = json.loads(state_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise AttnlabError(f"cannot read {state_file} ({err}): pass overwrite") from None
         if state.get("settings") != opts.settings():
             changed = sorted(
                 k for k, v in opts.settings().items() if state.get("settings", {}).get(k) != v
@@ -353,7 +361,7 @@ def _start(opts: AblateOptions) -> dict[str, Any]:
                 options=("out", "overwrite"),
             )
         return state
-    if opts.out.exists() and any(p.name != "tokenizer" for p in opts.out.iterdir()):
+    if contents(opts.out):
         raise AttnlabError(
             f"out {opts.out} already holds files that are no ablation (pass overwrite)",
             options=("out", "overwrite"),
@@ -382,6 +390,17 @@ def _planned_steps(
     return steps
 
 
+def training_seconds(run_dir: Path, summary: dict[str, Any]) -> float:
+    """A run's training time over all its sessions: its log's last elapsed_s (a resumed run's
+    summary counts only its own session)."""
+    from attnlab.train.log import METRICS_FILE
+
+    log = run_dir / METRICS_FILE
+    rows = log.read_text(encoding="utf-8").splitlines() if log.is_file() else []
+    last = json.loads(rows[-1]) if rows else {}
+    return float(last.get("elapsed_s", summary["wall_s"]))
+
+
 def run_one(opts: AblateOptions, runs: Runs, scheme: str, seed: int, steps: int) -> dict[str, Any]:
     """Train and score one (scheme, seed); its result.json is written when both are done."""
     import time
@@ -397,7 +416,7 @@ def run_one(opts: AblateOptions, runs: Runs, scheme: str, seed: int, steps: int)
         "scheme": scheme,
         "seed": seed,
         "steps": summary["step"],
-        "train_seconds": summary["wall_s"],
+        "train_seconds": training_seconds(run_dir, summary),
         "score_seconds": time.perf_counter() - began,
         "loss": losses,
     }
