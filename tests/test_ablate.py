@@ -65,7 +65,7 @@ def test_summary_files_hold_the_same_table(finished) -> None:
     saved = json.loads((opts.out / "results.json").read_text(encoding="utf-8"))
     assert saved["schemes"] == json.loads(json.dumps(summary["schemes"]))
     table = (opts.out / "results.md").read_text(encoding="utf-8")
-    assert "| scheme | 16 (1x) | 32 (2x) | 64 (4x) | steps | train min |" in table
+    assert "| scheme | 16 (1x) | 32 (2x) | 64 (4x) | steps | training time |" in table
     learned = next(line for line in table.splitlines() if line.startswith("| learned "))
     assert learned.count(TABLE_NOTE) == 2
     alibi = next(line for line in table.splitlines() if line.startswith("| alibi "))

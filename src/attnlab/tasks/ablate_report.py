@@ -57,7 +57,7 @@ def markdown(summary: dict[str, Any]) -> str:
     best = {n: _best(table, n) for n in lengths}
     header = [f"{n} ({n // train}x)" for n in lengths]
     rows = [
-        "| scheme | " + " | ".join(header) + " | steps | train min |",
+        "| scheme | " + " | ".join(header) + " | steps | training time |",
         "| --- | " + " | ".join("---:" for _ in lengths) + " | ---: | ---: |",
     ]
     for scheme, row in table.items():
@@ -71,8 +71,9 @@ def markdown(summary: dict[str, Any]) -> str:
             if cell["spread"] is not None:
                 text += f" ± {cell['spread']:.3f}"
             cells.append(f"**{text}**" if best[n] == scheme else text)
-        minutes = f"{row['train_seconds'] / 60:.1f}"
-        rows.append(f"| {scheme} | " + " | ".join(cells) + f" | {row['steps']} | {minutes} |")
+        seconds = row["train_seconds"]
+        took = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+        rows.append(f"| {scheme} | " + " | ".join(cells) + f" | {row['steps']} | {took} |")
     seeds = summary["seeds"]
     lines = [
         f"# Positional encodings: held-out perplexity ({summary['task']})",
