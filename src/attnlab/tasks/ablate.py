@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from attnlab.config import POSITION_ENCODINGS
+from attnlab.config import POSITION_ENCODINGS, check_field_types
 from attnlab.errors import AttnlabError
 from attnlab.io import (
     check_input_file,
@@ -78,6 +78,7 @@ class AblateOptions:
 
     def validate(self) -> None:
         """Raise AttnlabError for impossible settings, before anything is read or written."""
+        check_field_types(self, None)
         if self.task not in TASKS:
             raise AttnlabError(f"task must be lm or mlm, got {self.task!r}", options=("task",))
         if not self.corpus:
@@ -116,7 +117,8 @@ class AblateOptions:
         return self.lr if self.lr is not None else DEFAULT_LR[self.task]
 
     def settings(self) -> dict[str, Any]:
-        """What makes two ablations comparable: everything but the output and the progress bar."""
+        """What every run shares and a resumed ablation must keep: all but where it writes, what
+        it shows, and which schemes and seeds it runs (more of those extend an ablation)."""
         kept = asdict(self)
         for name in ("out", "overwrite", "progress", "cache_dir", "schemes", "seeds"):
             kept.pop(name)
@@ -383,7 +385,7 @@ def _planned_steps(
     summary = runs.train(opts.schemes[0], opts.seed, PROBE_STEPS, probe)
     seconds_per_step = summary["wall_s"] / max(summary["step"], 1)
     shutil.rmtree(probe, ignore_errors=True)
-    steps = max(1, min(opts.steps * 1000, int(opts.minutes * 60 / seconds_per_step)))
+    steps = max(1, int(opts.minutes * 60 / seconds_per_step))
     say(f"{seconds_per_step:.3f} s a step ({opts.schemes[0]}): {steps} steps in {opts.minutes} min")
     state.update(steps=steps, probe_seconds_per_step=seconds_per_step)
     write_text_atomic(opts.out / STATE_FILE, json.dumps(state, indent=2))
