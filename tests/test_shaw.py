@@ -289,6 +289,26 @@ def test_cached_decoding_equals_the_full_pass() -> None:
     torch.testing.assert_close(torch.cat((first, rest), 1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_search_with_a_cache_equals_search_without_and_the_twins_change_nothing() -> None:
+    # Greedy and beam search reorder and drop cached rows as sentences end; with Shaw's
+    # offsets counted from each new query they must choose what full passes choose.
+    from attnlab import fast
+    from attnlab.decode.search import beam_search, greedy_search
+
+    model = _seq2seq(eos_id=2)
+    src = torch.randint(3, 20, (4, 7))
+    settings = dict(max_len_a=0.0, max_len_b=9)
+    with torch.no_grad():
+        greedy = greedy_search(model, src, **settings)
+        assert greedy == greedy_search(model, src, use_cache=False, **settings)
+        beams = beam_search(model, src, beam_size=3, **settings)
+        assert beams == beam_search(model, src, beam_size=3, use_cache=False, **settings)
+        with fast.inference_twins(model, "all"):
+            assert greedy_search(model, src, **settings) == greedy
+            assert beam_search(model, src, beam_size=3, **settings) == beams
+    assert any(len(ids) > 3 for ids in greedy)  # past k = 3, where offsets clip
+
+
 def test_fast_twins_leave_shaw_attention_on_its_plain_path() -> None:
     from attnlab import fast
 
