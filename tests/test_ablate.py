@@ -156,3 +156,22 @@ def test_the_command_line_runs_it_and_names_flags_in_errors(tmp_path, capsys) ->
     assert err.startswith("attnlab: error: --schemes must name each scheme once")
     assert main([*argv, "--steps", "3"]) == 2  # the same --out, another budget
     assert "holds an ablation with other settings (steps)" in capsys.readouterr().err
+
+
+def test_the_lm_task_scores_every_length(tmp_path) -> None:
+    pytest.importorskip("attnlab.models.gpt")
+    pytest.importorskip("attnlab.tasks.lm")
+    tiny = {"n_layers": 1, "d_model": 32, "n_heads": 2, "d_ff": 64}
+    opts = _options(tmp_path, task="lm", preset=None, model_config=tiny, lr=1e-3,
+                    schemes=["learned", "shaw"], eval_tokens=512)  # fmt: skip
+    summary = ablate_positions(opts)
+    cells = summary["schemes"]
+    assert cells["learned"]["cells"]["32"] == {"note": TABLE_NOTE}
+    assert all(math.isfinite(cells["shaw"]["cells"][n]["loss"]) for n in ("16", "32", "64"))
+    assert (opts.out / "runs" / "shaw-seed0" / "config.json").is_file()
+
+
+def test_model_config_cannot_set_what_the_ablation_varies() -> None:
+    opts = _options(Path("/tmp/x"), model_config={"position_encoding": "rope", "max_positions": 9})
+    with pytest.raises(AttnlabError, match="sets max_positions, position_encoding itself"):
+        opts.validate()

@@ -57,6 +57,7 @@ class AblateOptions:
     valid: list[Path] = field(default_factory=list)  # empty: the task's own held-out split
     task: str = "lm"
     preset: str | None = None  # None: gpt-char (lm) or bert-mini (mlm)
+    model_config: dict[str, Any] = field(default_factory=dict)  # the preset's fields overridden
     steps: int = 1000
     minutes: float | None = None  # training minutes per model: the steps come from a probe
     schemes: list[str] = field(default_factory=lambda: list(POSITION_ENCODINGS))
@@ -105,6 +106,13 @@ class AblateOptions:
             raise AttnlabError("minutes must be a number > 0", options=("minutes",))
         if self.lr is not None and not 0 < self.lr < math.inf:
             raise AttnlabError("lr must be a number > 0", options=("lr",))
+        per_run = {"position_encoding", "max_positions", "vocab_size", "pad_token_id"}
+        fixed = sorted(per_run & set(self.model_config))
+        if fixed:
+            raise AttnlabError(
+                f"model_config: the ablation sets {', '.join(fixed)} itself",
+                options=("model_config",),
+            )
 
     @property
     def model_preset(self) -> str:
@@ -238,6 +246,7 @@ class MaskedLMRuns:
             pad_token_id=self.tokenizer.pad_id,
             position_encoding=scheme,
             max_positions=table_size(scheme, self.opts),
+            **self.opts.model_config,
         )
         torch.manual_seed(seed)
         model = BertForPreTraining(config, sentence_head=False)
@@ -311,7 +320,7 @@ class NextTokenRuns:
         opts = self.opts
         job = LMOptions(
             out=run_dir, corpus=opts.corpus, valid=opts.valid, preset=opts.model_preset,
-            model_config={"max_positions": table_size(scheme, opts)},
+            model_config={**opts.model_config, "max_positions": table_size(scheme, opts)},
             tokenizer=str(opts.out / "tokenizer"), seq_len=opts.train_length,
             batch_size=opts.batch_size, steps=steps, lr=opts.peak_lr, position_encoding=scheme,
             eval_every=0, save_every=max(steps // 4, 50), keep_last=1, seed=seed,
