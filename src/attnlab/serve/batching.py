@@ -111,12 +111,12 @@ class Batcher:
             self._ready.notify()
         try:
             return await job.future
-        finally:
-            if not job.future.done():  # cancelled: withdraw it unless it is running
-                with self._ready:
-                    if job in self._queue:
-                        self._queue.remove(job)
-                        self._report_queue()
+        except asyncio.CancelledError:  # withdraw the job unless its batch is running
+            with self._ready:
+                if job in self._queue:
+                    self._queue.remove(job)
+                    self._report_queue()
+            raise
 
     def queue_length(self) -> int:
         """Requests waiting for a batch."""

@@ -1,0 +1,419 @@
+"""`attnlab serve` against real uvicorn processes on loopback: each endpoint equals the CLI.
+
+One tiny model folder per kind (a random BERT with its MLM head, a random fine-tuned
+classifier, a random translation model), one server process per folder; requests go over
+http.client, as any client would send them.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab import cli
+from attnlab.config import BertConfig, TransformerConfig
+from attnlab.interop.hf import build_task_model, save_bert, save_task_model
+from attnlab.models.bert import BertForPreTraining
+from attnlab.models.seq2seq import Transformer
+from attnlab.tasks.translate import save_model_dir
+from attnlab.text.bpe import train_bpe_from_texts
+from attnlab.text.tokenizer import BertTokenizer
+
+MAX_POSITIONS = 32
+API_KEY = "test-key-123"
+SENTENCES = [
+    "Hello world!",
+    "The quick brown fox jumps over the lazy dog.",
+    "今天天气很好。",
+    "x",
+    "Numbers: 3.14159 and -42.",
+]
+PARALLEL = [
+    "Ein Mann fährt mit dem Fahrrad durch die Stadt.",
+    "A man rides his bike through the city.",
+    "Zwei Kinder spielen im Garten.",
+    "Two children are playing in the garden.",
+]
+
+
+# ------------------------------------------------------------------------------ folders
+
+
+def _bert_config(tokenizer: BertTokenizer, max_positions: int = MAX_POSITIONS) -> BertConfig:
+    return BertConfig.preset(
+        "bert-tiny", vocab_size=tokenizer.vocab_size, max_positions=max_positions
+    )
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, minilm_dir: Path) -> dict[str, Path]:
+    """A tiny random BERT (MLM head), fine-tuned classifier, and translation model."""
+    root = tmp_path_factory.mktemp("serve")
+    tokenizer = BertTokenizer.from_vocab(minilm_dir / "vocab.txt")
+    torch.manual_seed(0)
+    save_bert(BertForPreTraining(_bert_config(tokenizer)).eval(), root / "bert", tokenizer)
+    classifier = build_task_model(_bert_config(tokenizer, 128), "classify", 2)  # predict reads 128
+    save_task_model(classifier.eval(), root / "classify", tokenizer, ["neg", "pos"])
+    bpe = train_bpe_from_texts(PARALLEL * 4, vocab_size=120, min_frequency=1)
+    config = TransformerConfig(
+        src_vocab_size=bpe.vocab_size, tgt_vocab_size=bpe.vocab_size, d_model=32, n_heads=4,
+        d_ff=64, n_encoder_layers=1, n_decoder_layers=1, max_positions=MAX_POSITIONS,
+    )  # fmt: skip
+    save_model_dir(root / "translation", config, bpe, Transformer(config).eval())
+    return {
+        "bert": root / "bert",
+        "classify": root / "classify",
+        "translation": root / "translation",
+    }
+
+
+# ------------------------------------------------------------------------------ servers
+
+
+class Served:
+    """A running `attnlab serve` process and its port; its log collected from stderr."""
+
+    def __init__(self, folder: Path, *flags: str, env: dict[str, str] | None = None) -> None:
+        command = [sys.executable, "-m", "attnlab", "serve", "--model", str(folder),
+                   "--port", "0", "--threads", "1", *flags]  # fmt: skip
+        self.process = subprocess.Popen(
+            command, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+        )
+        self.log: list[str] = []
+        self.port = self._wait_for_port()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _wait_for_port(self) -> int:
+        for line in self.process.stderr:
+            self.log.append(line)
+            found = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+            if found:
+                return int(found.group(1))
+        raise AssertionError("the server did not start:\n" + "".join(self.log))
+
+    def _drain(self) -> None:
+        for line in self.process.stderr:
+            self.log.append(line)
+
+    def request(
+        self, method: str, path: str, body: object = None, headers: dict[str, str] | None = None,
+        raw: bytes | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:  # fmt: skip
+        """(status, headers, body) of one request on a new connection."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+        all_headers = {"Content-Type": "application/json", **(headers or {})}
+        connection.request(method, path, body=data, headers=all_headers)
+        response = connection.getresponse()
+        result = response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+        connection.close()
+        return result
+
+    def post(self, path: str, body: object, **kwargs: object) -> tuple[int, dict]:
+        """(status, JSON answer) of a POST."""
+        status, _, data = self.request("POST", path, body, **kwargs)  # type: ignore[arg-type]
+        return status, json.loads(data)
+
+    def stop(self) -> int:
+        """SIGTERM, then the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=60)
+
+
+def _served(folder: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[Served]:
+    server = Served(folder, *flags, env=env)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def bert(folders) -> Iterator[Served]:
+    yield from _served(folders["bert"])
+
+
+@pytest.fixture(scope="module")
+def classifier(folders) -> Iterator[Served]:
+    yield from _served(folders["classify"], env={"ATTNLAB_API_KEY": API_KEY})
+
+
+@pytest.fixture(scope="module")
+def translator(folders) -> Iterator[Served]:
+    # A queue of one request held 300 ms: a second request at once finds it full.
+    yield from _served(folders["translation"], "--max-queue", "1", "--max-wait-ms", "300",
+                       "--max-batch-tokens", "100000")  # fmt: skip
+
+
+def run_cli(capsys, *argv: str) -> str:
+    """The stdout of an attnlab command run in this process."""
+    capsys.readouterr()
+    assert cli.main(list(argv)) == 0, capsys.readouterr().err
+    return capsys.readouterr().out
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+# ------------------------------------------------------------------------------ endpoints = CLI
+
+
+def test_embeddings_equal_attnlab_embed(bert, folders, tmp_path, capsys):
+    """OpenAI's shape; mean pooling + L2 by default, as `attnlab embed --normalize`."""
+    (tmp_path / "in.txt").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    out = run_cli(capsys, "embed", "--model", str(folders["bert"]), "--normalize",
+                  "--input", str(tmp_path / "in.txt"))  # fmt: skip
+    expected = torch.tensor([json.loads(line) for line in out.splitlines()])
+    status, answer = bert.post("/v1/embeddings", {"input": SENTENCES, "model": "x"})
+    assert status == 200
+    assert answer["object"] == "list" and answer["model"] == "bert"
+    assert [d["index"] for d in answer["data"]] == list(range(len(SENTENCES)))
+    assert {d["object"] for d in answer["data"]} == {"embedding"}
+    got = torch.tensor([d["embedding"] for d in answer["data"]])
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
+    assert torch.allclose(got.norm(dim=-1), torch.ones(len(SENTENCES)), atol=1e-5)
+    usage = answer["usage"]
+    assert usage["prompt_tokens"] == usage["total_tokens"] > len(SENTENCES) * 2
+    status, one = bert.post("/v1/embeddings", {"input": SENTENCES[1], "normalize": False})
+    raw = run_cli(capsys, "embed", "--model", str(folders["bert"]), "--input",
+                  str(tmp_path / "in.txt"))  # fmt: skip
+    torch.testing.assert_close(torch.tensor(one["data"][0]["embedding"]),
+                               torch.tensor(json.loads(raw.splitlines()[1])), atol=2e-6, rtol=0)  # fmt: skip
+
+
+def test_fill_mask_equals_cli(bert, folders, capsys):
+    texts = ["hello [MASK] world", "the [MASK] is [MASK] today"]
+    lines = run_cli(capsys, "fill-mask", "--model", str(folders["bert"]), "--json",
+                    "--top-k", "3", *texts).splitlines()  # fmt: skip
+    status, answer = bert.post("/v1/fill-mask", {"input": texts, "top_k": 3})
+    assert status == 200
+    for line, got in zip(lines, answer["data"], strict=True):
+        expected = json.loads(line)
+        assert got["text"] == expected["text"]
+        for mask, want in zip(got["masks"], expected["masks"], strict=True):
+            assert [m["token"] for m in mask] == [t for t, _ in want]
+            assert [m["probability"] for m in mask] == pytest.approx([p for _, p in want], rel=1e-4)
+    status, answer = bert.post("/v1/fill-mask", {"input": "no mask here"})
+    assert status == 422 and "[MASK]" in answer["error"]["message"]
+
+
+def test_classify_equals_attnlab_predict(classifier, folders, tmp_path, capsys):
+    rows = [{"text": text, "label": "neg"} for text in SENTENCES]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    run_cli(capsys, "predict", "--model", str(folders["classify"]), "--input", str(source),
+            "--output", str(tmp_path / "out.jsonl"))  # fmt: skip
+    expected = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    status, answer = classifier.post("/v1/classify", {"input": SENTENCES}, headers=AUTH)
+    assert status == 200
+    for i, (got, want) in enumerate(zip(answer["data"], expected, strict=True)):
+        assert got["index"] == i and got["text"] == want["text"]
+        assert got["label"] == want["label"]
+        for name, p in want["probabilities"].items():
+            assert got["probabilities"][name] == pytest.approx(p, abs=2e-6)
+
+
+def test_translate_equals_attnlab_translate(translator, folders, tmp_path, capsys):
+    lines = [PARALLEL[0], PARALLEL[2], "", "Zwei Kinder."]
+    (tmp_path / "src.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    for flags, body in (((), {}), (("--beam", "2", "--length-penalty", "1.0"),
+                                    {"beam": 2, "length_penalty": 1.0}),
+                        (("--greedy",), {"greedy": True})):  # fmt: skip
+        out = run_cli(capsys, "translate", "--model", str(folders["translation"]),
+                      "--input", str(tmp_path / "src.txt"), *flags)  # fmt: skip
+        status, answer = translator.post("/v1/translate", {"input": lines, **body})
+        assert status == 200, answer
+        assert [d["translation"] for d in answer["data"]] == out.splitlines()
+    status, answer = translator.post("/v1/translate", {"input": "x", "beam": 0})
+    assert status == 422 and "beam" in answer["error"]["message"]
+    status, answer = translator.post("/v1/translate", {"input": "x", "beam": 17})
+    assert status == 413 and answer["error"]["limit"] == "max_beam"
+
+
+def test_health_metrics_docs(bert):
+    status, health = bert.post("/v1/embeddings", {"input": "warm"})
+    status, _, data = bert.request("GET", "/health")
+    health = json.loads(data)
+    assert status == 200 and health["status"] == "ok" and health["kind"] == "bert"
+    assert health["endpoints"] == ["/v1/embeddings", "/v1/fill-mask"]
+    status, headers, data = bert.request("GET", "/metrics")
+    text = data.decode()
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    assert 'attnlab_requests_total{endpoint="/v1/embeddings",status="200"}' in text
+    for name in ("attnlab_request_errors_total", "attnlab_queue_length",
+                 "attnlab_batch_size_bucket", "attnlab_batch_tokens_count",
+                 "attnlab_request_latency_seconds_bucket"):  # fmt: skip
+        assert name in text
+    status, _, data = bert.request("GET", "/docs")
+    assert status == 200 and b"swagger" in data.lower()
+    status, _, data = bert.request("GET", "/openapi.json")
+    assert "/v1/embeddings" in json.loads(data)["paths"]
+
+
+# ------------------------------------------------------------------------------ safety
+
+
+def test_api_key(classifier):
+    body = {"input": "a"}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        status, headers_out, data = classifier.request("POST", "/v1/classify", body, headers)
+        assert status == 401 and headers_out["www-authenticate"] == "Bearer"
+        assert json.loads(data)["error"]["type"] == "authentication_error"
+    assert classifier.request("GET", "/metrics")[0] == 401
+    assert classifier.request("GET", "/docs")[0] == 401
+    assert classifier.request("GET", "/health")[0] == 200  # probes need no key
+    assert classifier.post("/v1/classify", body, headers=AUTH)[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        (b"{not json", 422, "malformed JSON"),
+        (b"[1, 2]", 422, "body"),
+        (json.dumps({"input": 5}).encode(), 422, "input"),
+        (json.dumps({"input": ["a", 5]}).encode(), 422, "input"),
+        (json.dumps({"input": "a", "normalize": "yes"}).encode(), 422, "normalize"),
+        (json.dumps({"input": "a", "unknown": 1}).encode(), 422, "unknown"),
+        (json.dumps({"input": "a", "encoding_format": "base64"}).encode(), 422, "encoding_format"),
+        (json.dumps({"input": []}).encode(), 422, "empty"),
+        (b'{"input": "\\ud800"}', 422, "surrogate"),
+        (json.dumps({"input": ["a"] * 257}).encode(), 413, "max_items"),
+        (json.dumps({"input": "a" * 20_001}).encode(), 413, "max_text_chars"),
+        (json.dumps({"input": ["word"] * 300_000}).encode(), 413, "max_body_bytes"),
+        (json.dumps({"input": "word " * 40, "truncate": False}).encode(), 422, "max_length"),
+    ],
+)
+def test_bad_input(bert, body, status, words):
+    """Each bad request: its status and a JSON error that names the field or limit."""
+    got, _, data = bert.request("POST", "/v1/embeddings", raw=body)
+    error = json.loads(data)["error"]
+    assert got == status, error
+    assert words in error["message"] or words == error.get("limit"), error
+    assert "Traceback" not in error["message"]
+
+
+def test_overlong_text_truncated_by_default(bert, folders, tmp_path, capsys):
+    text = "word " * 40  # past the 32 positions
+    (tmp_path / "in.txt").write_text(text + "\n", encoding="utf-8")
+    expected = json.loads(run_cli(capsys, "embed", "--model", str(folders["bert"]),
+                                  "--normalize", "--input", str(tmp_path / "in.txt")))  # fmt: skip
+    status, answer = bert.post("/v1/embeddings", {"input": text})
+    assert status == 200 and answer["usage"]["prompt_tokens"] == MAX_POSITIONS
+    torch.testing.assert_close(torch.tensor(answer["data"][0]["embedding"]),
+                               torch.tensor(expected), atol=2e-6, rtol=0)  # fmt: skip
+
+
+def test_unknown_path_and_method(bert):
+    status, _, data = bert.request("GET", "/v1/nothing")
+    assert status == 404 and "error" in json.loads(data)
+    status, _, data = bert.request("GET", "/v1/embeddings")
+    assert status == 405 and "error" in json.loads(data)
+    status, _, data = bert.request("POST", "/v1/translate", {"input": "a"})
+    assert status == 404  # a BERT folder has no translation endpoint
+
+
+# ------------------------------------------------------------------------------ batching
+
+
+def test_full_queue_503_and_disconnect_frees_the_slot(translator):
+    """max_queue 1, a job held 300 ms: a second request finds the queue full; a client that
+    goes away while queued frees its slot at once."""
+    results: list[int] = []
+    first = threading.Thread(
+        target=lambda: results.append(translator.post("/v1/translate", {"input": "a"})[0])
+    )
+    first.start()
+    time.sleep(0.1)
+    status, headers, data = translator.request("POST", "/v1/translate", {"input": "b"})
+    assert status == 503 and headers["retry-after"] == "1"
+    assert json.loads(data)["error"]["limit"] == "max_queue"
+    first.join()
+    assert results == [200]
+    # A client that sends its request and hangs up while it waits in the queue.
+    body = json.dumps({"input": "c"}).encode()
+    with socket.create_connection(("127.0.0.1", translator.port)) as sock:
+        sock.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        time.sleep(0.1)
+    time.sleep(0.1)
+    assert translator.post("/v1/translate", {"input": "d"})[0] == 200  # the slot is free
+    metrics = translator.request("GET", "/metrics")[2].decode()
+    assert re.search(r"^attnlab_client_disconnects_total 1\.0$", metrics, re.MULTILINE)
+
+
+def test_load_16_concurrent_clients(bert, folders):
+    """16 clients for about 3 s: no errors, every answer equal to the offline embedding."""
+    from attnlab.interop.hf import load_bert
+    from attnlab.tasks.embed import embed
+
+    model = load_bert(folders["bert"])
+    tokenizer = BertTokenizer.from_dir(folders["bert"])
+    texts = [f"{s} {i}" for i, s in enumerate(SENTENCES * 4)]
+    expected = dict(zip(texts, embed(model, tokenizer, texts, normalize=True), strict=True))
+    failures: list[str] = []
+    answered = [0]
+    stop_at = time.monotonic() + 3
+
+    def client(seed: int) -> None:
+        n = seed
+        while time.monotonic() < stop_at:
+            batch = [texts[(n + k) % len(texts)] for k in range(1 + n % 3)]
+            n += 5
+            status, answer = bert.post("/v1/embeddings", {"input": batch})
+            if status != 200:
+                failures.append(f"{status} {answer}")
+                continue
+            for text, item in zip(batch, answer["data"], strict=True):
+                got = torch.tensor(item["embedding"])
+                if not torch.allclose(got, expected[text], atol=1e-5):
+                    failures.append(f"wrong vector for {text!r}")
+            answered[0] += len(batch)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert answered[0] > 16
+    metrics = bert.request("GET", "/metrics")[2].decode()
+    count = re.search(r"^attnlab_batch_size_count (\S+)$", metrics, re.MULTILINE)
+    total = re.search(r"^attnlab_batch_size_sum (\S+)$", metrics, re.MULTILINE)
+    assert float(total.group(1)) / float(count.group(1)) > 1  # requests were batched
+    print(f"load: {answered[0] / 3:.0f} sentences/s answered")
+
+
+def test_sigterm_drains_in_flight_requests(folders):
+    """SIGTERM while a request waits for its batch: it is answered, then the exit code is 0."""
+    server = Served(folders["bert"], "--max-wait-ms", "1000", "--max-batch-tokens", "100000")
+    results: list[int] = []
+    thread = threading.Thread(
+        target=lambda: results.append(server.post("/v1/embeddings", {"input": SENTENCES})[0])
+    )
+    thread.start()
+    time.sleep(0.3)
+    server.process.send_signal(signal.SIGTERM)
+    thread.join(timeout=30)
+    assert results == [200]
+    assert server.process.wait(timeout=30) == 0
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
+
+
+def test_cli_refuses_bad_settings(folders, capsys):
+    assert cli.main(["serve", "--model", str(folders["bert"]), "--max-queue", "0"]) == 2
+    assert "--max-queue" in capsys.readouterr().err
+    assert cli.main(["serve", "--model", str(folders["bert"]) + "-missing"]) == 2
+    assert "not found" in capsys.readouterr().err
