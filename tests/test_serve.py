@@ -67,17 +67,18 @@ def folders(tmp_path_factory, minilm_dir: Path) -> dict[str, Path]:
     save_bert(BertForPreTraining(_bert_config(tokenizer)).eval(), root / "bert", tokenizer)
     classifier = build_task_model(_bert_config(tokenizer, 128), "classify", 2)  # predict reads 128
     save_task_model(classifier.eval(), root / "classify", tokenizer, ["neg", "pos"])
+    tagger = build_task_model(_bert_config(tokenizer, 128), "ner", 3)
+    save_task_model(tagger.eval(), root / "ner", tokenizer, ["O", "B-PER", "I-PER"])
+    reader = build_task_model(_bert_config(tokenizer, 384), "qa")  # qa reads 384 tokens
+    save_task_model(reader.eval(), root / "qa", tokenizer)
     bpe = train_bpe_from_texts(PARALLEL * 4, vocab_size=120, min_frequency=1)
     config = TransformerConfig(
         src_vocab_size=bpe.vocab_size, tgt_vocab_size=bpe.vocab_size, d_model=32, n_heads=4,
         d_ff=64, n_encoder_layers=1, n_decoder_layers=1, max_positions=MAX_POSITIONS,
     )  # fmt: skip
     save_model_dir(root / "translation", config, bpe, Transformer(config).eval())
-    return {
-        "bert": root / "bert",
-        "classify": root / "classify",
-        "translation": root / "translation",
-    }
+    names = ("bert", "classify", "ner", "qa", "translation")
+    return {name: root / name for name in names}
 
 
 # ------------------------------------------------------------------------------ servers
@@ -148,6 +149,16 @@ def bert(folders) -> Iterator[Served]:
 @pytest.fixture(scope="module")
 def classifier(folders) -> Iterator[Served]:
     yield from _served(folders["classify"], env={"ATTNLAB_API_KEY": API_KEY})
+
+
+@pytest.fixture(scope="module")
+def tagger(folders) -> Iterator[Served]:
+    yield from _served(folders["ner"])
+
+
+@pytest.fixture(scope="module")
+def reader(folders) -> Iterator[Served]:
+    yield from _served(folders["qa"])
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +234,39 @@ def test_classify_equals_attnlab_predict(classifier, folders, tmp_path, capsys):
         assert got["label"] == want["label"]
         for name, p in want["probabilities"].items():
             assert got["probabilities"][name] == pytest.approx(p, abs=2e-6)
+
+
+def test_ner_equals_attnlab_predict(tagger, folders, tmp_path, capsys):
+    sentences = [["John", "lives", "in", "Berlin", "."], ["Hello", "there"]]
+    conll = "".join("".join(f"{w} O\n" for w in words) + "\n" for words in sentences)
+    (tmp_path / "in.conll").write_text(conll, encoding="utf-8")
+    run_cli(capsys, "predict", "--model", str(folders["ner"]), "--input",
+            str(tmp_path / "in.conll"), "--output", str(tmp_path / "out.jsonl"))  # fmt: skip
+    expected = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    status, answer = tagger.post("/v1/ner", {"input": sentences})
+    assert status == 200
+    assert [{"words": d["words"], "tags": d["tags"]} for d in answer["data"]] == expected
+    status, answer = tagger.post("/v1/ner", {"input": "John lives in Berlin ."})  # split at spaces
+    assert answer["data"][0]["tags"] == expected[0]["tags"]
+    assert tagger.post("/v1/classify", {"input": "a"})[0] == 404  # a tagger answers /v1/ner only
+
+
+def test_qa_equals_attnlab_predict(reader, folders, tmp_path, capsys):
+    questions = [("Who lives in Berlin?", "John lives in Berlin with his two cats."),
+                 ("What is red?", "The apple is red and the sky is blue.")]  # fmt: skip
+    squad = {"data": [{"paragraphs": [
+        {"context": c, "qas": [{"id": f"q{i}", "question": q, "answers": []}]}
+        for i, (q, c) in enumerate(questions)]}]}  # fmt: skip
+    (tmp_path / "in.json").write_text(json.dumps(squad), encoding="utf-8")
+    run_cli(capsys, "predict", "--model", str(folders["qa"]), "--input",
+            str(tmp_path / "in.json"), "--output", str(tmp_path / "out.json"))  # fmt: skip
+    expected = json.loads((tmp_path / "out.json").read_text())
+    body = {"input": [{"question": q, "context": c} for q, c in questions]}
+    status, answer = reader.post("/v1/qa", body)
+    assert status == 200
+    assert [d["answer"] for d in answer["data"]] == [expected["q0"], expected["q1"]]
+    status, answer = reader.post("/v1/qa", {"input": {"question": "Who?"}})
+    assert status == 422 and "context" in answer["error"]["message"]
 
 
 def test_translate_equals_attnlab_translate(translator, folders, tmp_path, capsys):
@@ -417,3 +461,75 @@ def test_cli_refuses_bad_settings(folders, capsys):
     assert "--max-queue" in capsys.readouterr().err
     assert cli.main(["serve", "--model", str(folders["bert"]) + "-missing"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ in-process
+
+
+class FailingTranslator:
+    """A stand-in model: "boom" breaks it (a fault), "bad" is refused (bad input)."""
+
+    kind = "translation"
+    max_length = 100
+
+    def endpoints(self) -> list[str]:
+        return ["/v1/translate"]
+
+    def token_count(self, line: str) -> int:
+        return len(line.split()) + 1
+
+    def run(self, key, lines: list[str]) -> list[str]:
+        if "boom" in lines:
+            raise RuntimeError("secret detail of the fault")
+        if "bad" in lines:
+            from attnlab.errors import AttnlabError
+
+            raise AttnlabError("bad is not a sentence")
+        return [line.upper() for line in lines]
+
+
+class InProcess(Served):
+    """An app under uvicorn in a thread of this process."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+
+    def stop(self) -> int:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        return 0
+
+
+def test_a_fault_is_500_without_traceback_and_fails_only_its_request():
+    from attnlab.serve import BatchSettings, create_app
+
+    app = create_app(FailingTranslator(), "fake", BatchSettings(max_wait_ms=300))
+    server = InProcess(app)
+    try:
+        status, answer = server.post("/v1/translate", {"input": "boom"})
+        assert status == 500 and answer["error"] == {
+            "message": "internal server error", "type": "server_error"}  # fmt: skip
+        # Two requests in one batch: the bad one is refused, the other answered.
+        results: dict[str, tuple[int, dict]] = {}
+        threads = [threading.Thread(target=lambda t=text: results.__setitem__(
+            t, server.post("/v1/translate", {"input": [t, "fine"]}))) for text in ("bad", "ok")]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert (
+            results["bad"][0] == 422 and "not a sentence" in results["bad"][1]["error"]["message"]
+        )
+        assert results["ok"] == (200, results["ok"][1])
+        assert [d["translation"] for d in results["ok"][1]["data"]] == ["OK", "FINE"]
+        metrics = server.request("GET", "/metrics")[2].decode()
+        assert re.search(r"^attnlab_batch_size_sum 5\.0$", metrics, re.MULTILINE)  # 1 + 4
+    finally:
+        server.stop()
