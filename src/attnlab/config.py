@@ -438,3 +438,100 @@ TRANSFORMER_PRESETS: dict[str, dict[str, Any]] = {
     "transformer-base": _seq2seq_sizes(6, 512, 8, 2048, 0.1),
     "transformer-big": _seq2seq_sizes(6, 1024, 16, 4096, 0.3),
 }
+
+
+@dataclass
+class GPTConfig(_JsonConfig):
+    """Decoder-only Transformer (Radford et al. 2018/2019): GPT-2 small's defaults.
+
+    Pre-LN causal blocks, a final LayerNorm, the LM head tied to the token embedding
+    (``tie_embeddings``), learned absolute positions unless ``position_encoding`` names
+    another scheme of ``attnlab.nn.positions``. ``max_positions`` is the context length.
+    """
+
+    vocab_size: int = 50257
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    d_ff: int = 3072
+    max_positions: int = 1024
+    dropout: float = 0.1  # on the embedding sum and every residual branch (GPT-2's pdrops)
+    attention_dropout: float = 0.1
+    activation: str = "gelu_tanh"  # GPT-2's "gelu_new"
+    layer_norm_eps: float = 1e-5
+    position_encoding: str = "learned"
+    tie_embeddings: bool = True  # the LM head is the token embedding matrix
+    initializer_range: float = 0.02
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    shaw_max_distance: int = 16  # shaw's clipping distance k (see BertConfig)
+    shaw_values: bool = True
+    rope_base: float = 10000.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise AttnlabError when a field is out of range or fields contradict each other."""
+        check_types(type(self), dataclasses.asdict(self), "config")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_positions"):
+            value = getattr(self, name)
+            _check(
+                isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**31,
+                f"config: {name} must be a positive integer below 2**31, got {value!r}",
+            )
+        _check(
+            self.d_model % self.n_heads == 0,
+            f"config: d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})",
+        )
+        for name in ("dropout", "attention_dropout"):
+            value = getattr(self, name)
+            _check(
+                isinstance(value, (int, float)) and 0.0 <= value < 1.0,
+                f"config: {name} must be in [0, 1), got {value!r}",
+            )
+        _check(
+            self.activation in ACTIVATIONS,
+            f"config: unknown activation {self.activation!r} (choose from {', '.join(ACTIVATIONS)})",
+        )
+        _check(
+            self.position_encoding in POSITION_ENCODINGS,
+            f"unknown position encoding {self.position_encoding!r} "
+            f"(choose from {', '.join(POSITION_ENCODINGS)})",
+        )
+        _check(
+            self.initializer_range > 0,
+            f"config: initializer_range must be > 0, got {self.initializer_range!r}",
+        )
+        if self.position_encoding == "rope":
+            _check(
+                (self.d_model // self.n_heads) % 2 == 0,
+                "config: rope needs an even head size (d_model / n_heads)",
+            )
+        _check_norm_and_positions(self)
+
+    @property
+    def d_head(self) -> int:
+        """Size of one attention head."""
+        return self.d_model // self.n_heads
+
+    @classmethod
+    def presets(cls) -> dict[str, dict[str, Any]]:
+        """The named sizes: gpt-char, gpt2, gpt2-medium."""
+        return GPT_PRESETS
+
+
+# GPT-2 small and medium (Radford et al. 2019, table 2), and a character-level model sized
+# for a 2-core CPU (nanoGPT's shakespeare_char, narrower): its vocab_size is the tokenizer's,
+# set when the model is built. Small models fitting in minutes gain nothing from dropout.
+GPT_PRESETS: dict[str, dict[str, Any]] = {
+    "gpt-char": {
+        **_sizes(4, 192, 6),
+        "vocab_size": 256,
+        "max_positions": 256,
+        "dropout": 0.0,
+        "attention_dropout": 0.0,
+    },
+    "gpt2": {**_sizes(12, 768, 12), "vocab_size": 50257, "max_positions": 1024},
+    "gpt2-medium": {**_sizes(24, 1024, 16), "vocab_size": 50257, "max_positions": 1024},
+}
