@@ -977,7 +977,12 @@ def _add_translate_train(actions: _Commands) -> None:
     )
     train.add_argument("--steps", type=int, help="optimiser steps (default 100000; sample 400)")
     train.add_argument("--max-minutes", type=float, help="stop (with a checkpoint) after this long")
-    train.add_argument("--warmup", type=int, help="warm-up steps (default 4000, <= 10%% of steps)")
+    train.add_argument(
+        "--warmup",
+        type=int,
+        help="warm-up steps (default 10%% of the steps, at most 4000; "
+        "under --max-minutes, of the steps the time allows)",
+    )
     train.add_argument("--grad-accum", type=int, help="batches per optimiser step")
     train.add_argument("--clip-norm", type=float, help="clip the gradient norm to this (0: none)")
     train.add_argument("--dropout", type=float, help="dropout (default: the preset's)")

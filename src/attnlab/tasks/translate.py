@@ -52,6 +52,7 @@ from attnlab.text.parallel import (
 )
 from attnlab.train.checkpoint import MODEL_FILE, complete_checkpoints
 from attnlab.train.config import RunOptions
+from attnlab.train.optim import planned_warmup
 from attnlab.train.trainer import (
     CHECKPOINT_DIR,
     TrainConfig,
@@ -62,6 +63,7 @@ from attnlab.train.trainer import (
 )
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names
+WARMUP_SHARE = 0.1  # the default warm-up's share of a run's steps (at most the paper's 4,000)
 MODEL_TYPE = "attnlab-transformer"  # config.json marker of a translation model directory
 CONFIG_FILE = "config.json"
 BEST_DIR = "best"
@@ -561,13 +563,19 @@ def _finish(
 
 
 def trainer_config(opts: TranslateOptions) -> TrainConfig:
-    """The shared trainer's settings for a translation run: Adam, inverse-sqrt schedule."""
+    """The shared trainer's settings for a translation run: Adam, inverse-sqrt schedule.
+
+    The default warm-up is 10% of the steps, at most the paper's 4,000; under max_minutes, 10%
+    of the steps the time allows (the trainer plans it once it knows its step rate).
+    """
     steps = opts.steps
+    default_warmup = opts.warmup is None
     return TrainConfig(
         out_dir=opts.out,
         steps=steps,
         lr=opts.lr,
-        warmup=opts.warmup if opts.warmup is not None else max(1, min(4000, steps // 10)),
+        warmup=planned_warmup(steps, WARMUP_SHARE, 4000) if default_warmup else opts.warmup,
+        warmup_share=WARMUP_SHARE if default_warmup else None,
         schedule="inverse_sqrt",
         optimizer="adam",  # with the paper's betas (0.9, 0.98) and eps 1e-9
         grad_accum=opts.grad_accum,

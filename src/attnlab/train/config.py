@@ -30,8 +30,10 @@ class TrainConfig:
     of 0 keeps every checkpoint. ``best_metric`` names an evaluation metric to track
     (``best_mode`` "max" or "min"): each evaluation that improves it calls the trainer's
     ``on_best``. ``max_seconds`` ends training early, with a checkpoint, once that much
-    training time (summed over resumed runs) has passed. ``eval_at_start`` also evaluates
-    the model as it starts (an eval row at step 0, kept when the run is resumed).
+    training time (summed over resumed runs) has passed; with ``warmup_share`` too, the
+    warm-up is planned from the steps that time allows (that share of them, at most
+    ``warmup``; a linear decay ends with them): Trainer._plan_schedule. ``eval_at_start`` also
+    evaluates the model as it starts (an eval row at step 0, kept when the run is resumed).
     """
 
     out_dir: Path
@@ -59,6 +61,7 @@ class TrainConfig:
     best_metric: str | None = None
     best_mode: str = "max"
     max_seconds: float | None = None
+    warmup_share: float | None = None  # None: warmup as given, whatever the time limit
     eval_at_start: bool = False
     compile: bool = False  # torch.compile the forward pass (pays off on GPUs; measure on CPU)
     # The job's own settings (data files, batch and model sizes) as plain values: recorded in
@@ -99,6 +102,8 @@ class TrainConfig:
             raise AttnlabError(f"train: best_mode must be 'max' or 'min', got {self.best_mode!r}")
         if self.max_seconds is not None and not self.max_seconds > 0:
             raise AttnlabError(f"train: max_seconds must be > 0, got {self.max_seconds}")
+        if self.warmup_share is not None and not 0 < self.warmup_share <= 1:
+            raise AttnlabError(f"train: warmup_share must be in (0, 1], got {self.warmup_share}")
         if self.schedule == "inverse_sqrt" and self.warmup < 1:
             raise AttnlabError("train: the inverse_sqrt schedule needs warmup >= 1")
         if self.resume and self.overwrite:

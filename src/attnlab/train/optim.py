@@ -9,7 +9,6 @@ Transformer (Vaswani et al. 2017, section 5.3): Adam, beta1=0.9, beta2=0.98, eps
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -80,6 +79,66 @@ def build_optimizer(
     return torch.optim.Adam(params, weight_decay=weight_decay, **options)
 
 
+class Schedule:
+    """The learning-rate factor of a named schedule at optimiser step ``step`` (LambdaLR's lambda).
+
+    ``replan`` sets a warm-up (and a linear decay's last step) planned during the run: the
+    trainer plans them from the steps a time limit allows (``planned_warmup``). LambdaLR saves
+    a callable object's ``__dict__`` with the scheduler, and only the plan lives there (the
+    configured values are slots): a resumed run keeps its plan, while its configured steps
+    and warm-up come from the resumed run's own settings, as for a plain function.
+    """
+
+    __slots__ = ("__dict__", "d_model", "name", "total_steps", "warmup_steps")
+
+    def __init__(
+        self, name: str, warmup_steps: int, total_steps: int, d_model: int | None = None
+    ) -> None:
+        if name not in SCHEDULES:
+            raise AttnlabError(f"schedule must be one of {list(SCHEDULES)}, got {name!r}")
+        if name == "inverse_sqrt" and warmup_steps < 1:
+            raise AttnlabError(f"inverse_sqrt needs warmup_steps >= 1, got {warmup_steps}")
+        self.name, self.warmup_steps, self.total_steps = name, warmup_steps, total_steps
+        self.d_model = d_model
+        self.plan: dict[str, int] = {}  # what replan set: saved and restored with the scheduler
+
+    @property
+    def warmup(self) -> int:
+        """The warm-up in force: the planned one, else the configured one."""
+        return self.plan.get("warmup_steps", self.warmup_steps)
+
+    @property
+    def total(self) -> int:
+        """The last step of a linear decay in force: the planned one, else the configured one."""
+        return self.plan.get("total_steps", self.total_steps)
+
+    def replan(self, warmup_steps: int, total_steps: int) -> None:
+        """Warm up for warmup_steps (>= 1) and end a linear decay at total_steps from now on."""
+        self.plan = {"warmup_steps": max(1, warmup_steps), "total_steps": total_steps}
+
+    def __call__(self, step: int) -> float:
+        warmup, total = self.warmup, self.total
+        if self.name == "inverse_sqrt":
+            n = step + 1  # the paper counts steps from 1
+            scale = self.d_model**-0.5 if self.d_model is not None else math.sqrt(warmup)
+            return scale * min(n**-0.5, n * warmup**-1.5)
+        if step < warmup:  # counted from 0, as HF's schedules: the first update runs at lr 0
+            return step / warmup
+        if self.name == "constant":
+            return 1.0
+        return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def planned_warmup(steps: int, share: float, most: int) -> int:
+    """The warm-up of a run that will make ``steps`` steps: ``share`` of them, at most ``most``.
+
+    At least 1 step. The one rule every job's default warm-up follows (a translation run's
+    10% of its steps, at most the paper's 4,000; pretraining's 10%; distillation's 5%): under a
+    time limit, ``steps`` is what the clock allows (Trainer), not the run's nominal length.
+    """
+    return max(1, min(most, int(share * steps + 1e-9)))  # 0.1 * 30 is 3, not 2.999...
+
+
 def linear_warmup_decay(
     optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int
 ) -> LambdaLR:
@@ -88,13 +147,7 @@ def linear_warmup_decay(
     ``step`` counts optimiser steps from 0, as HF's ``get_linear_schedule_with_warmup`` does,
     so the first update runs at lr 0 when there is a warm-up.
     """
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return step / warmup_steps
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
-
-    return LambdaLR(optimizer, factor)
+    return LambdaLR(optimizer, Schedule("linear", warmup_steps, total_steps))
 
 
 def inverse_sqrt(
@@ -105,35 +158,24 @@ def inverse_sqrt(
     Scaled by warmup^0.5 so the peak (at n = warmup) is exactly lr; with ``d_model`` the
     paper's d_model^-0.5 is used instead, and lr = 1 gives the paper's lrate.
     """
-    if warmup_steps < 1:
-        raise AttnlabError(f"inverse_sqrt needs warmup_steps >= 1, got {warmup_steps}")
-    scale = d_model**-0.5 if d_model is not None else math.sqrt(warmup_steps)
-
-    def factor(step: int) -> float:
-        n = step + 1
-        return scale * min(n**-0.5, n * warmup_steps**-1.5)
-
-    return LambdaLR(optimizer, factor)
+    return LambdaLR(optimizer, Schedule("inverse_sqrt", warmup_steps, 0, d_model))
 
 
 def constant(optimizer: torch.optim.Optimizer, warmup_steps: int = 0) -> LambdaLR:
     """lr after a linear warm-up of warmup_steps (counted from 0 as in linear_warmup_decay)."""
-
-    def factor(step: int) -> float:
-        return step / warmup_steps if step < warmup_steps else 1.0
-
-    return LambdaLR(optimizer, factor)
+    return LambdaLR(optimizer, Schedule("constant", warmup_steps, 0))
 
 
 def build_scheduler(
     name: str, optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int
 ) -> LambdaLR:
-    """The schedule called name ("linear", "inverse_sqrt" or "constant")."""
-    makers: dict[str, Callable[[], LambdaLR]] = {
-        "linear": lambda: linear_warmup_decay(optimizer, warmup_steps, total_steps),
-        "inverse_sqrt": lambda: inverse_sqrt(optimizer, warmup_steps),
-        "constant": lambda: constant(optimizer, warmup_steps),
-    }
-    if name not in makers:
-        raise AttnlabError(f"schedule must be one of {list(SCHEDULES)}, got {name!r}")
-    return makers[name]()
+    """The schedule called name ("linear", "inverse_sqrt" or "constant"); its lambda a Schedule."""
+    return LambdaLR(optimizer, Schedule(name, warmup_steps, total_steps))
+
+
+def schedule_of(scheduler: torch.optim.lr_scheduler.LRScheduler) -> Schedule | None:
+    """The Schedule a scheduler made here follows (one for every parameter group), else None."""
+    factors = getattr(scheduler, "lr_lambdas", [])
+    first = factors[0] if factors else None
+    shared = isinstance(first, Schedule) and all(f is first for f in factors)
+    return first if shared else None

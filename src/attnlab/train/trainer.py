@@ -58,7 +58,7 @@ from attnlab.train.distributed import (
 )
 from attnlab.train.hooks import TrainerHooks
 from attnlab.train.log import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss_curve
-from attnlab.train.optim import build_optimizer, build_scheduler
+from attnlab.train.optim import build_optimizer, build_scheduler, planned_warmup, schedule_of
 
 CHECKPOINT_DIR = "checkpoints"
 Evaluate = Callable[[nn.Module], dict[str, float]]
@@ -155,6 +155,12 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+PLAN_EVERY = 10  # steps between the warm-up plans of a time-limited run (_plan_schedule)
+# The plan counts on this share of the step rate measured while warming up: evaluations and
+# checkpoints, mostly later in the run, take their time from the same clock.
+PLAN_RATE_SHARE = 0.9
 
 
 def steps_within(
@@ -293,6 +299,7 @@ class Trainer:
             self._run_evaluation()
         start_step, self._session_tokens = self.step, 0
         self._window.started = time.perf_counter()  # tokens/s counts training time only
+        self._loop_started = self._window.started  # the step rate of _plan_schedule
         data = iter(self.batches)
         bar = tqdm(
             total=cfg.steps,
@@ -312,6 +319,7 @@ class Trainer:
                 while not stop:
                     values, tokens = self._train_step(data)
                     self.step += 1
+                    self._plan_schedule(start_step)
                     self._window.add(values, tokens)
                     bar.update(1)
                     stop = self.step == cfg.steps or self._out_of_time()
@@ -331,7 +339,38 @@ class Trainer:
             "wall_s": wall,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "best": self.best,
+            **self._planned_warmup(),
         }
+
+    def _plan_schedule(self, start_step: int) -> None:
+        """Under max_seconds and warmup_share, plan the warm-up from the steps the clock allows.
+
+        Every PLAN_EVERY steps while warming up, from the step rate of this session so far: a
+        warm-up of warmup_share of the steps the run will make (at most config.warmup), a
+        linear decay that ends with them. Once the warm-up is over the plan stays (a later
+        change would make the learning rate jump); a resumed run goes on with it.
+        """
+        cfg = self.config
+        schedule = schedule_of(self.scheduler)
+        if cfg.max_seconds is None or cfg.warmup_share is None or schedule is None:
+            return
+        if self.step % PLAN_EVERY or self.step >= schedule.warmup:
+            return
+        # One plan for every rank (their clocks differ): their mean times.
+        now = time.perf_counter()
+        times = torch.tensor([now - self._loop_started, self._elapsed()], device=self.device)
+        looped, elapsed = (all_reduce_sum(times) / self.world_size).tolist()
+        rate = PLAN_RATE_SHARE * (self.step - start_step) / max(looped, 1e-9)
+        steps = steps_within(cfg.steps, self.step, elapsed, cfg.max_seconds, rate)
+        schedule.replan(planned_warmup(steps, cfg.warmup_share, cfg.warmup), steps)
+        # The next step's rate, set by the scheduler's step before this plan, follows it.
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = base * schedule(self.scheduler.last_epoch)
+
+    def _planned_warmup(self) -> dict[str, int]:
+        """{"planned_warmup": steps} when _plan_schedule planned the warm-up, else {}."""
+        schedule = schedule_of(self.scheduler)
+        return {"planned_warmup": schedule.warmup} if schedule and schedule.plan else {}
 
     def _out_of_time(self) -> bool:
         """Whether config.max_seconds of training time have passed (the same answer on every rank)."""
