@@ -5,12 +5,19 @@ and `lm eval` against hand-computed negative log-likelihoods."""
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from attnlab.cli import main
 from attnlab.errors import AttnlabError
 from attnlab.text import token_stream
 from attnlab.text.lm_tokenizer import train_byte_bpe, train_char
@@ -112,3 +119,267 @@ def test_evaluation_windows_tile_the_held_out_stream():
     assert evaluation_windows(np.arange(50), 16, 0) == [(0, 16), (16, 16), (32, 16)]
     assert evaluation_windows(np.arange(50), 16, 20) == [(0, 16)]
     assert evaluation_windows(np.arange(5), 16, 0) == [(0, 4)]
+
+
+# ---------------------------------------------------------------------------- the job
+
+TINY_MODEL = {"n_layers": 1, "d_model": 32, "n_heads": 2, "d_ff": 64, "max_positions": 32}
+RUNNER = Path(__file__).with_name("_pretrain_run.py")  # the CLI with the SIGKILL hooks
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return pytest.importorskip("attnlab.tasks.lm")  # until the GPT (models/gpt.py) lands
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("config") / "tiny.toml"
+    lines = [f"{key} = {value}" for key, value in TINY_MODEL.items()]
+    path.write_text("dropout = 0.0\n[model_config]\n" + "\n".join(lines) + "\n")
+    return path
+
+
+def train_args(corpus: Path, out: Path, config: Path, *extra: object) -> list[str]:
+    args = ["lm", "train", "--corpus", corpus, "--out", out, "--config", config]
+    args += [
+        "--seq-len",
+        16,
+        "--batch-size",
+        4,
+        "--lr",
+        "3e-3",
+        "--cache-dir",
+        out.parent / "cache",
+    ]
+    return [str(a) for a in (*args, "--no-progress", *extra)]
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_lm_train_learns_and_reports_held_out_perplexity(lm, corpus, tiny_config, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = train_args(
+        corpus, out, tiny_config, "--steps", 40, "--eval-every", 20, "--log-every", 10
+    )
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert "holding out the last" in captured.err
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "metrics.jsonl", "loss.png"):
+        assert (out / name).is_file(), name
+    assert summary["warmup"] == 4  # 10% of the 40 steps
+    train = [r for r in rows(out) if not r.get("eval")]
+    evals = [r for r in rows(out) if r.get("eval")]
+    assert [r["step"] for r in evals] == [20, 40]
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+    for row in evals:
+        assert row["valid_ppl"] == pytest.approx(math.exp(row["valid_loss"]))
+    # the held-out loss is the mean NLL of the last 10% of the text, scored independently here
+    model, tokenizer = lm.load_lm(out)
+    ids = tokenizer.encode(TEXT)
+    held = torch.tensor(ids[int(len(ids) * 0.9) :])
+    starts = range(0, len(held) - 16, 16)
+    with torch.no_grad():
+        logits = torch.stack([model(held[s : s + 16][None]).logits[0] for s in starts])
+    targets = torch.stack([held[s + 1 : s + 17] for s in starts])
+    nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    assert evals[-1]["valid_loss"] == pytest.approx(float(nll), rel=1e-4)
+
+
+def test_a_time_limited_run_plans_its_steps_and_warm_up(lm, corpus, tiny_config, tmp_path):
+    opts = lm.LMOptions(out=tmp_path / "x", corpus=[corpus], max_minutes=1.0, eval_every=10)
+    config = lm.GPTConfig.preset("gpt-char", vocab_size=30, **TINY_MODEL)
+    # 0.97 x 60 s less one evaluation (2 s), at 0.5 s a step + 2 s every 10 steps: 80 steps
+    plan = lm.plan_run(opts, config, measured=(0.5, 2.0))
+    assert (plan.steps, plan.warmup) == (80, 8)
+    given = lm.LMOptions(out=tmp_path / "x", corpus=[corpus], max_minutes=1.0, warmup=50)
+    assert lm.plan_run(given, config, measured=(0.5, 0.0)).warmup == 11  # 10% of 116 steps
+    assert (
+        lm.plan_run(lm.LMOptions(out=tmp_path, corpus=[corpus], steps=20), config, None).steps == 20
+    )
+
+
+def test_a_time_limited_run_stops_near_its_plan(lm, corpus, tiny_config, tmp_path, capsys):
+    out = tmp_path / "timed"
+    args = train_args(corpus, out, tiny_config, "--max-minutes", "0.1", "--eval-every", 0)
+    assert main([*args, "--steps", "100000"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert 2 <= summary["planned_steps"] < 100000  # a loaded machine plans few
+    assert summary["warmup"] <= summary["planned_steps"] // 10
+    assert summary["step"] <= summary["planned_steps"]
+
+
+def test_resume_after_two_sigkills_is_bit_identical(lm, corpus, tiny_config, tmp_path):
+    from conftest import assert_resume_after_two_sigkills_is_bit_identical
+
+    def command(out: Path) -> list[str]:
+        extra = ("--steps", 8, "--save-every", 3, "--eval-every", 4, "--log-every", 2)
+        return train_args(corpus, out, tiny_config, *extra, "--grad-accum", 2)
+
+    # killed writing step 6's checkpoint; resumed from step 3, killed again reading its 9th
+    # batch (the first half of step 8, two micro-batches a step)
+    assert_resume_after_two_sigkills_is_bit_identical(command, tmp_path, 6, 9)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(args: list[str], nodes: int = 1, rank: int = 0, port: int = 0) -> list[str]:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes)]
+    launch += ["--node_rank", str(rank), "--nproc_per_node", str(2 // nodes)]
+    launch += ["--master_addr", "127.0.0.1", "--master_port", str(port or _free_port())]
+    return [*launch, str(RUNNER), *args]
+
+
+def _same_training(one: Path, two: Path) -> None:
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-5), name
+    losses = [[r["loss"] for r in rows(out) if not r.get("eval")] for out in (one, two)]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-4)
+
+
+def test_two_processes_and_two_loopback_nodes_equal_one_process(lm, corpus, tiny_config, tmp_path):
+    """torchrun, 2 CPU processes (gloo): on one node, and as two nodes meeting on 127.0.0.1
+    (the nodes share --out, here one folder), each = one process reading the same windows."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    extra = ("--steps", 4, "--save-every", 0, "--eval-every", 0, "--log-every", 1)
+    one, two, nodes = tmp_path / "one", tmp_path / "two", tmp_path / "nodes"
+    done = subprocess.run([sys.executable, str(RUNNER), *train_args(corpus, one, tiny_config, *extra)],
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    done = subprocess.run(_torchrun(train_args(corpus, two, tiny_config, *extra)), env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(done.stdout.splitlines()) == 1  # the summary once, from rank 0
+    _same_training(one, two)
+    port = _free_port()
+    launches = [subprocess.Popen(_torchrun(train_args(corpus, nodes, tiny_config, *extra), 2, rank, port),
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for rank in (0, 1)]  # fmt: skip
+    for launch in launches:
+        _, errors = launch.communicate(timeout=300)
+        assert launch.returncode == 0, errors[-3000:]
+    _same_training(one, nodes)
+
+
+# ---------------------------------------------------------------------------- lm eval
+
+
+@pytest.fixture(scope="module")
+def model_dir(lm, corpus, tiny_config, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("model") / "run"
+    assert main(train_args(corpus, out, tiny_config, "--steps", 10, "--eval-every", 0)) == 0
+    return out
+
+
+def test_lm_eval_per_line_equals_hand_computed_nll(lm, model_dir, tmp_path, capsys):
+    data = tmp_path / "data.txt"
+    lines = ["Speak, speak.", "", "All:", "resolved rather to die", "a"]
+    data.write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert main(["lm", "eval", "--model", str(model_dir), "--data", str(data)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    model, tokenizer = lm.load_lm(model_dir)
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for line in lines:  # one line at a time, no padding: log p(x_t | x_<t), t >= 2
+            ids = tokenizer.encode(line)
+            for t in range(1, len(ids)):
+                logits = model(torch.tensor([ids[:t]])).logits[0, -1]
+                nll -= float(torch.log_softmax(logits.double(), -1)[ids[t]])
+                count += 1
+    assert result["tokens"] == count == 12 + 3 + 21
+    assert result["loss"] == pytest.approx(nll / count, rel=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-5)
+
+
+def test_lm_eval_stride_is_hfs_sliding_window_method(lm, model_dir, corpus, capsys):
+    model, tokenizer = lm.load_lm(model_dir)
+    ids = torch.tensor(tokenizer.encode(TEXT[:300]))
+    window, stride = 32, 12
+    nll, count, prev_end = 0.0, 0, 0  # the loop of HF's "Perplexity of fixed-length models"
+    with torch.no_grad():
+        for begin in range(0, len(ids), stride):
+            end = min(begin + window, len(ids))
+            trg_len = end - prev_end
+            input_ids = ids[begin:end][None]
+            targets = input_ids.clone()
+            targets[:, :-trg_len] = -100
+            shifted = targets[:, 1:]
+            loss = model(input_ids[:, :-1], targets=shifted).loss
+            n = int((shifted != -100).sum())
+            nll, count = nll + float(loss) * n, count + n
+            prev_end = end
+            if end == len(ids):
+                break
+    result = lm.score_stream(model, ids.tolist(), stride, window)
+    assert result["tokens"] == count == len(ids) - 1
+    assert result["loss"] == pytest.approx(nll / count, rel=1e-5)
+    data = corpus.parent / "head.txt"
+    data.write_text(TEXT[:300])
+    capsys.readouterr()
+    args = ["lm", "eval", "--model", str(model_dir), "--data", str(data), "--stride", "12"]
+    assert main([*args, "--seq-len", "32"]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(nll / count, rel=1e-5)
+
+
+def test_sliding_windows_score_every_token_but_the_first_once():
+    from attnlab.tasks.lm import sliding_windows
+
+    spans = sliding_windows(50, 16, 6)
+    scored = [t for _, end, first in spans for t in range(first, end)]
+    assert scored == list(range(1, 50))
+    assert all(end - begin <= 16 for begin, end, _ in spans)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def _one_error(capsys, args: list[str]) -> str:
+    capsys.readouterr()
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and captured.err.startswith("attnlab: error: ")
+    return captured.err
+
+
+def test_bad_training_input_is_one_line_and_writes_nothing(
+    lm, corpus, tiny_config, tmp_path, capsys
+):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = tmp_path / "out"
+    assert "has no text" in _one_error(capsys, train_args(empty, out, tiny_config))
+    assert "--steps must be at least 1" in _one_error(
+        capsys, train_args(corpus, out, tiny_config, "--steps", 0)
+    )
+    assert "--seq-len 64 is above" in _one_error(
+        capsys, train_args(corpus, out, tiny_config, "--seq-len", 64)
+    )
+    assert "unknown preset" in _one_error(
+        capsys, [*train_args(corpus, out, tiny_config), "--preset", "gpt9"]
+    )
+    assert not out.exists()
+
+
+def test_lm_train_flags_name_option_fields_and_leave_their_defaults_to_them(lm, capsys):
+    import dataclasses
+
+    from attnlab.cli import build_parser
+
+    fields = {f.name: f for f in dataclasses.fields(lm.LMOptions)}
+    parser = build_parser().parse_args(["lm", "train"]).command_parser
+    own = {"help", "threads", "config"}
+    flags = {a.dest: a.default for a in parser._actions if a.option_strings and a.dest not in own}
+    assert set(flags) <= set(fields), sorted(set(flags) - set(fields))
+    assert all(value is None for value in flags.values()), flags

@@ -1032,6 +1032,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ablate.add_commands(commands)
     __import__("attnlab.commands.serve", fromlist=["*"]).add_commands(commands)
+    __import__("attnlab.commands.lm", fromlist=["*"]).add_commands(commands)
     tok_commands = _add_tokenizer_commands(commands)
     for group in (commands, tok_commands):
         # A missing command is named by its choices, as usage shows them, not by its dest

@@ -153,9 +153,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     for sample in range(settings.pop("num_samples", 1)):  # one after another, each streamed
         writer = _StreamWriter(prompt, settings.get("stop"))
         sample_seed = None if seed is None else seed + sample
-        generate_texts(model, tokenizer, [prompt], **settings, seed=sample_seed,
-                       on_text=writer.write)  # fmt: skip
-        writer.close()
+        [(_, completion)] = generate_texts(model, tokenizer, [prompt], **settings,
+                                           seed=sample_seed, on_text=writer.write)  # fmt: skip
+        writer.close(completion)
 
 
 class _StreamWriter:
@@ -164,36 +164,39 @@ class _StreamWriter:
     def __init__(self, prompt: str, stop: str | None) -> None:
         # The prompt is printed with the first text: a prompt refused prints nothing.
         self.prompt: str | None = prompt
-        self.stop, self.held, self.done = stop or None, "", False
+        self.stop, self.held, self.shown, self.done = stop or None, "", "", False
+
+    def _show(self, text: str) -> None:
+        if self.prompt is not None:
+            sys.stdout.write(self.prompt)
+            self.prompt = None
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        self.shown += text
 
     def write(self, text: str) -> None:
         """Print what is certainly before the stop text; hold what may begin it."""
         if self.done:
             return
-        if self.prompt is not None:
-            sys.stdout.write(self.prompt)
-            self.prompt = None
         self.held += text
-        if self.stop is None:
-            sys.stdout.write(self.held)
-            sys.stdout.flush()
-            self.held = ""
-            return
-        if self.stop in self.held:
-            sys.stdout.write(self.held[: self.held.index(self.stop)])
+        if self.stop is not None and self.stop in self.held:
+            self._show(self.held[: self.held.index(self.stop)])
             self.held, self.done = "", True
-        else:
+            return
+        keep = 0
+        if self.stop is not None:
             keep = next((n for n in range(len(self.stop) - 1, 0, -1)
                          if self.held.endswith(self.stop[:n])), 0)  # fmt: skip
-            sys.stdout.write(self.held[: len(self.held) - keep])
-            self.held = self.held[len(self.held) - keep :]
-        sys.stdout.flush()
+        self._show(self.held[: len(self.held) - keep])
+        self.held = self.held[len(self.held) - keep :]
 
-    def close(self) -> None:
-        """Print what was held (no stop text came) and end the sample's line."""
-        if self.prompt is not None:  # no token came (max_new_tokens of an ended sample)
-            sys.stdout.write(self.prompt)
-        if not self.done:
-            sys.stdout.write(self.held)
+    def close(self, completion: str) -> None:
+        """Print the rest of the sample's whole completion and end its line.
+
+        The rest: text held back, and bytes of a character the sample never completed
+        (shown as U+FFFD, as the whole decoding shows them).
+        """
+        rest = completion[len(self.shown) :] if completion.startswith(self.shown) else ""
+        self._show(rest)
         sys.stdout.write("\n")
         sys.stdout.flush()
