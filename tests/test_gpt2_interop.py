@@ -202,3 +202,20 @@ def test_config_weights_mismatch_is_refused(edit, tmp_path):
     (path / "config.json").write_text(json.dumps({**data, **edit}))
     with pytest.raises(AttnlabError):
         load_gpt(path)
+
+
+def test_cli_export_writes_a_gpt_folder_transformers_loads(tmp_path, capsys):
+    from attnlab.cli import main
+
+    hf = hf_model("untied-odd")
+    path = saved(hf, tmp_path / "m")
+    assert main(["export", "--model", str(path), "--out", str(tmp_path / "out")]) == 0
+    again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+    ids = prompts(hf.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, hf(ids).logits, atol=TOL, rtol=0)
+    # an attnlab-only model (RoPE) cannot be exported: one line, nothing written
+    save_gpt(GPT(read_gpt_config(path).replace(position_encoding="rope")), tmp_path / "rope")
+    assert main(["export", "--model", str(tmp_path / "rope"), "--out", str(tmp_path / "x")]) == 2
+    assert "rope" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

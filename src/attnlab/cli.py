@@ -233,11 +233,15 @@ def cmd_embed(args: argparse.Namespace) -> None:
 
 def cmd_export(args: argparse.Namespace) -> None:
     """Write the model in HF transformers' layout to --out."""
+    from attnlab.interop.gpt2 import is_gpt_folder
     from attnlab.interop.hf import checkpoint_task, load_bert, read_config, save_bert
     from attnlab.io import check_out_dir
     from attnlab.text.tokenizer import BertTokenizer
 
     check_out_dir(Path(args.out), args.overwrite, inputs=[args.model])
+    if is_gpt_folder(args.model):  # a decoder-only LM: HF GPT-2's layout
+        _export_gpt(args)
+        return
     read_config(Path(args.model))  # config problems first, as in _load
     task = checkpoint_task(args.model)
     if task is not None:  # export writes encoders and pretraining heads; it would drop this head
@@ -249,6 +253,23 @@ def cmd_export(args: argparse.Namespace) -> None:
     tokenizer = BertTokenizer.from_dir(args.model)
     save_bert(model, args.out, tokenizer, overwrite=args.overwrite, require_hf=True)
     _say(f"exported {args.model} -> {args.out} (HF BERT layout)")
+
+
+def _export_gpt(args: argparse.Namespace) -> None:
+    """cmd_export for a GPT folder: GPT2LMHeadModel's layout, with the tokenizer if it has one."""
+    from attnlab.interop.gpt2 import load_gpt, save_gpt
+    from attnlab.text.lm_tokenizer import LMTokenizer
+
+    model_dir = Path(args.model)
+    has_tokenizer = (model_dir / "tokenizer.json").is_file() or (
+        (model_dir / "vocab.json").is_file() and (model_dir / "merges.txt").is_file()
+    )
+    tokenizer = LMTokenizer.from_dir(model_dir) if has_tokenizer else None
+    eos_id = tokenizer.eos_id if tokenizer is not None else None
+    save_gpt(
+        load_gpt(model_dir), args.out, tokenizer, args.overwrite, require_hf=True, eos_id=eos_id
+    )
+    _say(f"exported {args.model} -> {args.out} (HF GPT-2 layout)")
 
 
 def _has_heads(model_dir: str) -> bool:
@@ -820,7 +841,9 @@ def _add_embed_and_export(commands: _Commands) -> None:
     sub.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     _add_progress_flag(sub)
 
-    sub = _command(commands, "export", cmd_export, "write a model in HF transformers' BERT layout")
+    sub = _command(
+        commands, "export", cmd_export, "write a model in HF transformers' BERT or GPT-2 layout"
+    )
     sub.add_argument("--model", required=True)
     sub.add_argument("--format", choices=("hf",), default="hf")
     sub.add_argument("--out", required=True)
