@@ -21,6 +21,7 @@ demo: $(STAMP)
 	$(PY) examples/pretrain_demo.py
 	$(PY) examples/finetune_demo.py
 	$(PY) examples/translate_demo.py
+	$(PY) examples/lm_demo.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
