@@ -1054,6 +1054,7 @@ def build_parser() -> argparse.ArgumentParser:
     from attnlab.commands import ablate
 
     ablate.add_commands(commands)
+    __import__("attnlab.commands.attention", fromlist=["*"]).add_commands(commands)
     __import__("attnlab.commands.serve", fromlist=["*"]).add_commands(commands)
     __import__("attnlab.commands.lm", fromlist=["*"]).add_commands(commands)
     tok_commands = _add_tokenizer_commands(commands)

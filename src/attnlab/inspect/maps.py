@@ -9,7 +9,7 @@ indexed like HF's ``output_attentions`` stacked over layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,10 @@ class AttentionMaps:
     encoder: Tensor | None = None  # (layers, heads, seq, seq)
     decoder: Tensor | None = None  # (layers, heads, tgt, tgt), causal
     cross: Tensor | None = None  # (layers, heads, tgt, seq)
+    # After select(): the model's own layer and head numbers of what is kept, per kind.
+    layer_labels: dict[str, list[int]] = field(default_factory=dict)
+    head_labels: dict[str, list[int]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what a selection left out
 
     def kinds(self) -> dict[str, Tensor]:
         """The weights this model has, by kind ("encoder", "decoder", "cross")."""
@@ -55,6 +59,32 @@ class AttentionMaps:
         """The tokens of a kind's keys (columns)."""
         return self.target_tokens if kind == "decoder" and self.target_tokens else self.tokens
 
+    def select(
+        self, layers: list[int] | None = None, heads: list[int] | None = None
+    ) -> AttentionMaps:
+        """The maps of some layers and heads only (None: all), numbered as in the model.
+
+        A layer that no kind has, or a head past the model's, is an error; a kind with fewer
+        layers (a shallower encoder) keeps those it has, and one with none of them is left out.
+        """
+        kinds = self.kinds()
+        n_layers = max(w.shape[0] for w in kinds.values())
+        n_heads = next(iter(kinds.values())).shape[1]
+        check_indices(layers, n_layers, "layers", "layer")
+        check_indices(heads, n_heads, "heads", "head")
+        chosen, layer_labels, head_labels, notes = {}, {}, {}, list(self.notes)
+        for kind, weights in kinds.items():
+            keep_layers = [i for i in (layers or range(weights.shape[0])) if i < weights.shape[0]]
+            if not keep_layers:
+                notes.append(f"The {kind} weights are left out: they have no layer {layers}.")
+                continue
+            keep_heads = list(heads or range(n_heads))
+            chosen[kind] = weights[keep_layers][:, keep_heads]
+            layer_labels[kind], head_labels[kind] = keep_layers, keep_heads
+        empty = dict.fromkeys(KINDS)
+        return replace(self, **{**empty, **chosen}, layer_labels=layer_labels,
+                       head_labels=head_labels, notes=notes)  # fmt: skip
+
     def to_json(self) -> dict[str, Any]:
         """{"tokens", "pair_tokens"?, "target_tokens"?, "attention": {kind: [layer][head][q][k]}}."""
         out: dict[str, Any] = {"tokens": self.tokens}
@@ -64,6 +94,20 @@ class AttentionMaps:
             out["target_tokens"] = self.target_tokens
         out["attention"] = {kind: w.tolist() for kind, w in self.kinds().items()}
         return out
+
+
+def check_indices(chosen: list[int] | None, size: int, option: str, what: str) -> None:
+    """Refuse an empty selection or an index outside 0..size-1, naming option."""
+    if chosen is None:
+        return
+    if not chosen:
+        raise AttnlabError(f"{option} selects no {what}", options=(option,))
+    bad = [i for i in chosen if not 0 <= i < size]
+    if bad:
+        raise AttnlabError(
+            f"{option} {bad[0]} is out of range: this model numbers them 0-{size - 1}",
+            options=(option,),
+        )
 
 
 def _stack(weights: list[Tensor]) -> Tensor:
@@ -171,11 +215,16 @@ def attention_maps(
     bert = _bert_of(model)
     if bert is not None:
         if target is not None:
-            raise AttnlabError("target is for translation models; BERT takes a pair")
+            raise AttnlabError(
+                "target is for translation models; BERT takes a pair", options=("target", "pair")
+            )
         return _bert_maps(bert, tokenizer, text, pair, truncate)
     if isinstance(model, Transformer):
         if pair is not None:
-            raise AttnlabError("pair is for BERT models; a translation model takes a target")
+            raise AttnlabError(
+                "pair is for BERT models; a translation model takes a target",
+                options=("pair", "target"),
+            )
         return _translation_maps(model, tokenizer, text, target, truncate)
     raise AttnlabError(
         f"{type(model).__name__} has no attention weights attnlab can show: "
