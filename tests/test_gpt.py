@@ -213,3 +213,16 @@ def test_cache_refuses_going_past_the_context():
     model(torch.randint(0, 37, (1, 30)), cache=cache)
     with pytest.raises(AttnlabError, match="context"):
         model(torch.randint(0, 37, (1, 3)), cache=cache)
+
+
+def test_last_only_is_the_last_position_of_the_full_logits():
+    model = model_of(position_encoding="rope")
+    ids = torch.randint(0, 37, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    full = model(ids, attention_mask=mask).logits
+    last = model(ids, attention_mask=mask, last_only=True).logits
+    assert last.shape == (2, 1, 37)
+    torch.testing.assert_close(last, full[:, -1:], atol=1e-6, rtol=0)
+    with pytest.raises(AttnlabError):
+        model(ids, targets=ids, last_only=True)

@@ -89,6 +89,10 @@ def next_tokens(
     if top_p is not None:
         scores = top_p_filter(scores, top_p)
     probs = torch.softmax(scores, dim=-1)
+    if generator is not None and generator.device != probs.device:
+        # draw where the generator lives: the same seed gives the same tokens on any device
+        drawn = torch.multinomial(probs.to(generator.device), 1, generator=generator)
+        return drawn.squeeze(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
@@ -182,7 +186,8 @@ def _decode(
     tokens, step_mask = input_ids, attention_mask
     new: list[Tensor] = []
     for step in range(max_new_tokens):
-        chosen = choose(model(tokens, cache=cache, attention_mask=step_mask).logits[:, -1])
+        out = model(tokens, cache=cache, attention_mask=step_mask, last_only=True)
+        chosen = choose(out.logits[:, -1])
         if eos_id is not None:
             chosen = chosen.masked_fill(finished, filler)
             finished = finished | (chosen == eos_id)

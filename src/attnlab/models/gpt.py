@@ -163,6 +163,7 @@ class GPT(nn.Module):
         cache: GPTCache | None = None,
         need_weights: bool = False,
         attention_mask: Tensor | None = None,
+        last_only: bool = False,
     ) -> GPTOutput:
         """Next-token logits for input_ids (batch, seq); the loss when targets are given.
 
@@ -170,8 +171,12 @@ class GPT(nn.Module):
         not scored. ``attention_mask`` is 1 at real tokens, 0 at left padding: (batch, seq) of
         these tokens, or (batch, cached + seq) including the cached ones. With a cache,
         input_ids are the positions after those cached, which the call appends to the cache.
+        ``last_only`` computes the logits of the last position only, (batch, 1, vocab): all a
+        decoding step reads (not with targets).
         """
         past = self._check_inputs(input_ids, targets, cache, attention_mask)
+        if last_only and targets is not None:
+            raise AttnlabError("last_only computes one position's logits: no loss with targets")
         seq_len = input_ids.shape[1]
         key_mask = self._key_mask(input_ids, past, cache, attention_mask)
         positions = _position_ids(key_mask, past, seq_len, input_ids.device)
@@ -189,6 +194,8 @@ class GPT(nn.Module):
                 weights.append(w)
         if cache is not None:
             cache.key_mask = key_mask
+        if last_only:
+            x = x[:, -1:]
         logits = F.linear(self.final_norm(x), self.output_weight())
         out = GPTOutput(logits=logits)
         if targets is not None:
