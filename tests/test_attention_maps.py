@@ -221,3 +221,34 @@ def test_attention_maps_is_a_dataclass_of_tensors():
     maps = AttentionMaps(["a", "b"], encoder=torch.full((1, 1, 2, 2), 0.5))
     assert list(maps.kinds()) == ["encoder"]
     assert maps.to_json()["attention"]["encoder"] == [[[[0.5, 0.5], [0.5, 0.5]]]]
+
+
+# --- the decoder-only LM ------------------------------------------------------------------------
+
+
+def test_gpt_weights_equal_hf_gpt2_output_attentions(tmp_path):
+    import transformers
+
+    from attnlab.interop.gpt2 import load_gpt
+    from attnlab.text.lm_tokenizer import char_tokenizer
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2,
+                                     n_head=4, attn_implementation="eager")  # fmt: skip
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    hf.save_pretrained(tmp_path)
+    model = load_gpt(tmp_path)
+    tokenizer = char_tokenizer("abcdefghijklmnopqrstuvwxyz .")
+    text = "the cat sat."
+    maps = attention_maps(model, tokenizer, text)
+    ids = torch.tensor([tokenizer.encode(text)])
+    with torch.no_grad():
+        expected = torch.stack([a[0] for a in hf(ids, output_attentions=True).attentions])
+    assert maps.tokens == list(text) and maps.encoder is None and maps.cross is None
+    assert maps.query_tokens("decoder") == maps.key_tokens("decoder") == list(text)
+    torch.testing.assert_close(maps.decoder, expected, atol=1e-5, rtol=0)
+    with pytest.raises(AttnlabError, match="at most 32"):
+        attention_maps(model, tokenizer, "a" * 33)
+    assert attention_maps(model, tokenizer, "a" * 33, truncate=True).decoder.shape[-1] == 32
+    with pytest.raises(AttnlabError, match="no pair or target"):
+        attention_maps(model, tokenizer, text, pair="x")

@@ -108,6 +108,25 @@ def test_translation_page_shows_three_kinds(translation_dir, tmp_path, capsys):
     assert report["clicked"] == [2, 3]  # the cross-attention's last layer and head
 
 
+def test_gpt_page_shows_causal_attention(tmp_path, capsys):
+    import transformers
+
+    from attnlab.text.lm_tokenizer import char_tokenizer
+
+    folder = tmp_path / "gpt"
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    char_tokenizer("abcdefghijklmnopqrstuvwxyz .").save(folder)
+    page = tmp_path / "gpt.html"
+    code, out, err = run_cli(capsys, "attention", "--model", folder, "the cat sat.", "--out", page)
+    assert code == 0, err
+    assert json.loads(out)["kinds"] == ["decoder"]
+    report = self_test(tmp_path, page)
+    assert [k["name"] for k in report["kinds"]] == ["decoder"] and report["kinds"][0]["changed"]
+    assert "Causal self-attention" in page.read_text(encoding="utf-8")
+
+
 def test_a_512_token_24_layer_16_head_page_loads_and_warns(tmp_path):
     torch.manual_seed(0)
     n, layers, heads = 512, 24, 16

@@ -180,6 +180,34 @@ def _translation_maps(
     )
 
 
+# --- the decoder-only LM ----------------------------------------------------------------------
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    """A token as text: decoded (byte-level BPE's "Ġthe" reads " the"), or its vocabulary
+    entry when it holds part of a character's bytes."""
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    return tokenizer.backend.id_to_token(token_id) if "\ufffd" in text or not text else text
+
+
+def _lm_maps(model: nn.Module, tokenizer: Any, text: str, truncate: bool) -> AttentionMaps:
+    limit = model.config.max_positions
+    ids = tokenizer.encode(text)
+    if len(ids) > limit:
+        if not truncate:
+            raise _too_long(len(ids), limit, "the text")
+        ids = ids[:limit]
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model(torch.tensor([ids], device=device), need_weights=True)
+    # Causal self-attention: the "decoder" kind, over the text's own tokens.
+    return AttentionMaps(
+        tokens=[_token_text(tokenizer, i) for i in ids],
+        target_tokens=None,
+        decoder=_stack(out.attentions),
+    )
+
+
 # --- every model ------------------------------------------------------------------------------
 
 
@@ -207,6 +235,7 @@ def attention_maps(
     default its own greedy translation). Input longer than the model takes is an error unless
     ``truncate``. The model runs in eval mode (no dropout) and is left in eval mode.
     """
+    from attnlab.models.gpt import GPT
     from attnlab.models.seq2seq import Transformer
 
     if not isinstance(text, str) or not text.strip():
@@ -226,14 +255,20 @@ def attention_maps(
                 options=("pair", "target"),
             )
         return _translation_maps(model, tokenizer, text, target, truncate)
+    if isinstance(model, GPT):
+        if pair is not None or target is not None:
+            raise AttnlabError(
+                "a language model reads one text: no pair or target", options=("pair", "target")
+            )
+        return _lm_maps(model, tokenizer, text, truncate)
     raise AttnlabError(
         f"{type(model).__name__} has no attention weights attnlab can show: "
-        "expected a BERT or translation model"
+        "expected a BERT, translation or GPT model"
     )
 
 
 def load_attention_model(path: str | Path) -> tuple[nn.Module, Any]:
-    """The model (eval mode) and tokenizer of a BERT, BERT task or translation model directory."""
+    """The model (eval mode) and tokenizer of a BERT (or task), translation or GPT directory."""
     import json
 
     root = Path(path)
@@ -244,16 +279,21 @@ def load_attention_model(path: str | Path) -> tuple[nn.Module, Any]:
     if not config_file.is_file():
         raise AttnlabError(
             f"no config.json in {root}: not a model directory with attention weights "
-            "(a BERT checkpoint or a translation model)"
+            "(a BERT checkpoint, a translation model or a GPT)"
         )
     try:
         kind = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
     except (ValueError, AttributeError, RecursionError, UnicodeDecodeError):
         raise AttnlabError(f"{config_file} is not a JSON object") from None
+    from attnlab.interop.gpt2 import is_gpt_folder
     from attnlab.tasks.translate import MODEL_TYPE, load_translation_model
 
     if kind == MODEL_TYPE:
         return load_translation_model(root)
+    if is_gpt_folder(root):
+        from attnlab.tasks.lm import load_lm
+
+        return load_lm(root)
     from attnlab.interop.hf import load_bert
     from attnlab.text.tokenizer import BertTokenizer
 

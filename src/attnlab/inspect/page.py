@@ -25,7 +25,7 @@ KIND_TITLES = {
     "decoder": "Decoder self-attention (masked)",
     "cross": "Decoder-encoder (cross) attention",
 }
-BERT_TITLE = "Self-attention"
+SINGLE_TITLES = {"encoder": "Self-attention", "decoder": "Causal self-attention"}  # BERT, GPT
 BYTE_BUDGET = 12_000_000  # weight bytes in one page before rows keep only their top keys
 THUMB_SIZE = 64  # the model view's heatmaps hold at most this many rows and columns
 
@@ -99,7 +99,7 @@ def page_data(maps: AttentionMaps) -> tuple[dict, PageStats]:
     top_k = None if cells <= BYTE_BUDGET else _top_k(rows)
     entries, shares = [], []
     for name, weights in kinds.items():
-        title = KIND_TITLES[name] if len(kinds) > 1 or name != "encoder" else BERT_TITLE
+        title = KIND_TITLES[name] if len(kinds) > 1 else SINGLE_TITLES[name]
         entry, share = _kind_data(name, title, maps, weights, top_k)
         entries.append(entry)
         shares.append(share)
