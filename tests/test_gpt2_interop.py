@@ -219,3 +219,15 @@ def test_cli_export_writes_a_gpt_folder_transformers_loads(tmp_path, capsys):
     assert main(["export", "--model", str(tmp_path / "rope"), "--out", str(tmp_path / "x")]) == 2
     assert "rope" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_bare_gpt2model_folder_loads_with_the_tied_head(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(**CONFIGS["tied"], bos_token_id=None, eos_token_id=None)
+    base = transformers.GPT2Model(config).eval()
+    base.save_pretrained(tmp_path / "m")  # names without "transformer.", no lm_head
+    model = load_gpt(tmp_path / "m")
+    ids = prompts(config.vocab_size)
+    with torch.no_grad():
+        expected = base(ids).last_hidden_state @ base.wte.weight.T
+    torch.testing.assert_close(model(ids).logits, expected, atol=TOL, rtol=0)
