@@ -24,12 +24,15 @@ import pytest
 import torch
 
 from attnlab import cli
-from attnlab.config import BertConfig, TransformerConfig
+from attnlab.config import BertConfig, GPTConfig, TransformerConfig
+from attnlab.interop.gpt2 import save_gpt
 from attnlab.interop.hf import build_task_model, save_bert, save_task_model
 from attnlab.models.bert import BertForPreTraining
+from attnlab.models.gpt import GPT
 from attnlab.models.seq2seq import Transformer
 from attnlab.tasks.translate import save_model_dir
 from attnlab.text.bpe import train_bpe_from_texts
+from attnlab.text.lm_tokenizer import char_tokenizer
 from attnlab.text.tokenizer import BertTokenizer
 
 MAX_POSITIONS = 32
@@ -77,7 +80,12 @@ def folders(tmp_path_factory, minilm_dir: Path) -> dict[str, Path]:
         d_ff=64, n_encoder_layers=1, n_decoder_layers=1, max_positions=MAX_POSITIONS,
     )  # fmt: skip
     save_model_dir(root / "translation", config, bpe, Transformer(config).eval())
-    names = ("bert", "classify", "ner", "qa", "translation")
+    chars = char_tokenizer("abcdefghijklmnopqrstuvwxyz .,")
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=chars.vocab_size, d_model=32, n_layers=1, n_heads=4, d_ff=64,
+                        max_positions=64, dropout=0.0, attention_dropout=0.0))  # fmt: skip
+    save_gpt(gpt.eval(), root / "gpt", chars)
+    names = ("bert", "classify", "ner", "qa", "translation", "gpt")
     return {name: root / name for name in names}
 
 
@@ -94,8 +102,15 @@ class Served:
             command, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
         )
         self.log: list[str] = []
-        self.port = self._wait_for_port()
-        threading.Thread(target=self._drain, daemon=True).start()
+        self._port: int | None = None
+
+    @property
+    def port(self) -> int:
+        """The port the server bound (waits for its start: servers start side by side)."""
+        if self._port is None:
+            self._port = self._wait_for_port()
+            threading.Thread(target=self._drain, daemon=True).start()
+        return self._port
 
     def _wait_for_port(self) -> int:
         for line in self.process.stderr:
@@ -135,37 +150,59 @@ class Served:
         return self.process.wait(timeout=60)
 
 
-def _served(folder: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[Served]:
-    server = Served(folder, *flags, env=env)
-    yield server
-    server.stop()
+@pytest.fixture(scope="module")
+def servers(folders) -> Iterator[dict[str, Served]]:
+    """One server per folder, started together (each start is mostly importing torch)."""
+    started = {
+        "bert": Served(folders["bert"]),
+        "classify": Served(folders["classify"], env={"ATTNLAB_API_KEY": API_KEY}),
+        "ner": Served(folders["ner"]),
+        "qa": Served(folders["qa"]),
+        "gpt": Served(folders["gpt"]),
+        # A queue of one request held 300 ms: a second request at once finds it full.
+        "translation": Served(
+            folders["translation"],
+            "--max-queue",
+            "1",
+            "--max-wait-ms",
+            "300",
+            "--max-batch-tokens",
+            "100000",
+        ),
+    }
+    yield started
+    for server in started.values():
+        server.stop()
 
 
 @pytest.fixture(scope="module")
-def bert(folders) -> Iterator[Served]:
-    yield from _served(folders["bert"])
+def bert(servers) -> Served:
+    return servers["bert"]
 
 
 @pytest.fixture(scope="module")
-def classifier(folders) -> Iterator[Served]:
-    yield from _served(folders["classify"], env={"ATTNLAB_API_KEY": API_KEY})
+def classifier(servers) -> Served:
+    return servers["classify"]
 
 
 @pytest.fixture(scope="module")
-def tagger(folders) -> Iterator[Served]:
-    yield from _served(folders["ner"])
+def tagger(servers) -> Served:
+    return servers["ner"]
 
 
 @pytest.fixture(scope="module")
-def reader(folders) -> Iterator[Served]:
-    yield from _served(folders["qa"])
+def reader(servers) -> Served:
+    return servers["qa"]
 
 
 @pytest.fixture(scope="module")
-def translator(folders) -> Iterator[Served]:
-    # A queue of one request held 300 ms: a second request at once finds it full.
-    yield from _served(folders["translation"], "--max-queue", "1", "--max-wait-ms", "300",
-                       "--max-batch-tokens", "100000")  # fmt: skip
+def writer(servers) -> Served:
+    return servers["gpt"]
+
+
+@pytest.fixture(scope="module")
+def translator(servers) -> Served:
+    return servers["translation"]
 
 
 def run_cli(capsys, *argv: str) -> str:
@@ -267,6 +304,41 @@ def test_qa_equals_attnlab_predict(reader, folders, tmp_path, capsys):
     assert [d["answer"] for d in answer["data"]] == [expected["q0"], expected["q1"]]
     status, answer = reader.post("/v1/qa", {"input": {"question": "Who?"}})
     assert status == 422 and "context" in answer["error"]["message"]
+
+
+def test_completions_equal_generate_texts(writer, folders):
+    """OpenAI's completions shape; greedy (temperature 0) and seeded sampling as the library's
+    generate_texts (what `attnlab generate` runs); stream: true as server-sent events."""
+    from attnlab.tasks.lm import generate_texts, load_lm
+
+    model, tokenizer = load_lm(folders["gpt"])
+    prompts = ["the cat", "a dog, a"]
+    greedy = generate_texts(model, tokenizer, prompts, max_new_tokens=12, greedy=True)
+    status, answer = writer.post("/v1/completions", {"prompt": prompts, "max_tokens": 12,
+                                                     "temperature": 0})  # fmt: skip
+    assert status == 200 and answer["object"] == "text_completion"
+    assert [c["text"] for c in answer["choices"]] == [text for _, text in greedy]
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    assert {c["finish_reason"] for c in answer["choices"]} == {"length"}  # no end token
+    assert answer["usage"] == {"prompt_tokens": 15, "completion_tokens": 24, "total_tokens": 39}
+    sampled = generate_texts(model, tokenizer, prompts, max_new_tokens=8, temperature=0.9,
+                             top_k=5, seed=7, num_samples=2)  # fmt: skip
+    status, answer = writer.post("/v1/completions", {"prompt": prompts, "max_tokens": 8,
+                                 "temperature": 0.9, "top_k": 5, "seed": 7, "n": 2})  # fmt: skip
+    assert [c["text"] for c in answer["choices"]] == [text for _, text in sampled]
+    status, headers, data = writer.request("POST", "/v1/completions", {
+        "prompt": "the cat", "max_tokens": 12, "temperature": 0, "stream": True})  # fmt: skip
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [line[len("data: ") :] for line in data.decode().split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event)["choices"][0] for event in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == greedy[0][1]
+    assert chunks[-1]["finish_reason"] == "length" and len(chunks) > 2
+    for body, status in (({"prompt": "x", "max_tokens": 64}, 422),  # no room for the prompt
+                         ({"prompt": "x", "max_tokens": 2000}, 413),
+                         ({"prompt": "x", "n": 17}, 413), ({"prompt": "x", "top_p": 0}, 422),
+                         ({"prompt": ["x", "y"], "stream": True}, 422)):  # fmt: skip
+        assert writer.post("/v1/completions", body)[0] == status, body
 
 
 def test_translate_equals_attnlab_translate(translator, folders, tmp_path, capsys):
@@ -442,6 +514,7 @@ def test_load_16_concurrent_clients(bert, folders):
 def test_sigterm_drains_in_flight_requests(folders):
     """SIGTERM while a request waits for its batch: it is answered, then the exit code is 0."""
     server = Served(folders["bert"], "--max-wait-ms", "1000", "--max-batch-tokens", "100000")
+    assert server.port  # started
     results: list[int] = []
     thread = threading.Thread(
         target=lambda: results.append(server.post("/v1/embeddings", {"input": SENTENCES})[0])
@@ -499,7 +572,7 @@ class InProcess(Served):
         self.thread.start()
         while not self.server.started:
             time.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self._port = self.server.servers[0].sockets[0].getsockname()[1]
 
     def stop(self) -> int:
         self.server.should_exit = True

@@ -66,8 +66,10 @@ class Batcher:
         max_queue: int,
         threads: int | None = None,
         observer: BatchObserver | None = None,
+        sort_by_length: bool = True,
     ) -> None:
         self.run = run
+        self.sort_by_length = sort_by_length  # False: items in arrival order (seeded sampling)
         self.max_batch_tokens = max_batch_tokens
         self.max_wait = max_wait_ms / 1000
         self.max_queue = max_queue
@@ -94,11 +96,11 @@ class Batcher:
             self._thread.join()
 
     async def submit(self, key: Hashable, items: list[Any], tokens: list[int]) -> list[Any]:
-        """The results of items (one per item, in order); QueueFull when the queue is full.
+        """The results of items (one per item, in order); QueueFull when the queue is full."""
+        return await self.result(self.enqueue(key, items, tokens))
 
-        Cancelling the awaiting task (a client that went away) withdraws the job if its batch
-        has not started; a started batch runs to the end and its result is dropped.
-        """
+    def enqueue(self, key: Hashable, items: list[Any], tokens: list[int]) -> Job:
+        """Queue items (on the event loop); QueueFull when the queue is full."""
         loop = asyncio.get_running_loop()
         job = Job(key, items, tokens, loop.create_future(), loop)
         with self._ready:
@@ -109,6 +111,14 @@ class Batcher:
             self._queue.append(job)
             self._report_queue()
             self._ready.notify()
+        return job
+
+    async def result(self, job: Job) -> list[Any]:
+        """The results of a queued job, one per item, in order.
+
+        Cancelling the awaiting task (a client that went away) withdraws the job if its batch
+        has not started; a started batch runs to the end and its result is dropped.
+        """
         try:
             return await job.future
         except asyncio.CancelledError:  # withdraw the job unless its batch is running
@@ -177,7 +187,9 @@ class Batcher:
             for j, job in enumerate(jobs)
             for item, n in zip(job.items, job.tokens, strict=True)
         ]
-        order = sorted(range(len(items)), key=lambda i: -items[i][1])  # longest first
+        order = list(range(len(items)))
+        if self.sort_by_length:
+            order.sort(key=lambda i: -items[i][1])  # longest first: little padding
         if self.observer is not None:
             self.observer.batch(len(items), sum(n for _, n, _ in items))
         try:

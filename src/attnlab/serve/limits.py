@@ -34,6 +34,8 @@ class Limits:
     max_text_chars: int = 20_000  # characters of one text
     max_top_k: int = 100  # fill-mask predictions per [MASK]
     max_beam: int = 16  # translation beam size
+    max_new_tokens: int = 1024  # completions' max_tokens
+    max_samples: int = 16  # completions' n
 
     def __post_init__(self) -> None:
         """Refuse limits that would refuse everything."""

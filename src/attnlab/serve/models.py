@@ -1,7 +1,7 @@
 """The served model behind each kind of folder, and the batch each endpoint runs on it.
 
-``load_served`` reads a model folder and picks its kind: a translation model (config.json
-model_type attnlab-transformer), a fine-tuned BERT (a task head in config.json), or a BERT
+``load_served`` reads a model folder and picks its kind: a GPT (HF GPT-2's or attnlab's), a
+translation model (config.json model_type attnlab-transformer), a fine-tuned BERT (a task head in config.json), or a BERT
 encoder (with its masked-LM head when the weights hold one). Each kind's ``run`` is what
 the batcher calls in its worker thread: the library functions the CLI calls, on a batch of
 inputs gathered from several requests, so a served answer equals the CLI's.
@@ -124,11 +124,55 @@ class TranslationModel:
                                max_len_b=max_len_b)  # fmt: skip
 
 
-ServedModel = EncoderModel | TaskModel | TranslationModel
+class LanguageModel:
+    """A decoder-only GPT, continuing prompts as `attnlab generate` (tasks/lm.py)."""
+
+    kind = "gpt"
+
+    def __init__(self, model_dir: Path) -> None:
+        from attnlab.tasks.lm import load_lm
+
+        self.model, self.tokenizer = load_lm(model_dir)
+        self.max_length = self.model.config.max_positions
+
+    def endpoints(self) -> list[str]:
+        """The task endpoints this model answers."""
+        return ["/v1/completions"]
+
+    def token_count(self, prompt: Any) -> int:
+        """Tokens of a prompt (a prompt and its stream sink when streamed)."""
+        text = prompt[0] if isinstance(prompt, tuple) else prompt
+        return max(1, len(self.tokenizer.encode(text)))
+
+    def completion_tokens(self, text: str) -> int:
+        """Tokens of a generated text, as the tokenizer reads it back."""
+        return len(self.tokenizer.encode(text))
+
+    def run(self, key: Hashable, prompts: list[Any]) -> list[list[str]]:
+        """Each prompt's n completions: generate_texts with key's settings.
+
+        key: (settings as sorted (name, value) pairs, n, tag); a streamed prompt comes as
+        (prompt, sink) alone in its batch, and sink gets the text as each token completes it.
+        """
+        from attnlab.tasks.lm import generate_texts
+
+        pairs, n, _ = key  # type: ignore[misc]
+        settings = dict(pairs)
+        if prompts and isinstance(prompts[0], tuple):
+            prompt, sink = prompts[0]
+            done = generate_texts(self.model, self.tokenizer, [prompt], **settings, on_text=sink)
+            return [[done[0][1]]]
+        done = generate_texts(self.model, self.tokenizer, prompts, num_samples=n, **settings)
+        texts = [completion for _, completion in done]
+        return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+ServedModel = EncoderModel | TaskModel | TranslationModel | LanguageModel
 
 
 def load_served(model_dir: str | Path, pooling: str = "mean") -> ServedModel:
     """The served model of a folder, of the kind its config.json and weights say."""
+    from attnlab.interop.gpt2 import is_gpt_folder
     from attnlab.interop.hf import checkpoint_task
     from attnlab.tasks.translate import MODEL_TYPE
 
@@ -142,6 +186,8 @@ def load_served(model_dir: str | Path, pooling: str = "mean") -> ServedModel:
         data = json.loads(config.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as err:
         raise AttnlabError(f"cannot read {config}: {err}") from None
+    if is_gpt_folder(path):
+        return LanguageModel(path)
     if isinstance(data, dict) and data.get("model_type") == MODEL_TYPE:
         return TranslationModel(path)
     if checkpoint_task(path) is not None:

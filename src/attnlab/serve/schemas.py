@@ -75,3 +75,19 @@ class TranslateRequest(Body):
     max_len_a: float = _SEARCH.max_len_a
     max_len_b: float = _SEARCH.max_len_b
     truncate: bool = True
+
+
+class CompletionsRequest(Body):
+    """OpenAI's completions request; temperature 0 is greedy search, top_k is attnlab's."""
+
+    prompt: str | list[str]
+    model: str | None = None
+    max_tokens: int = 16  # OpenAI's default
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    n: int = 1
+    stream: bool = False
+    stop: str | None = None
+    seed: int | None = None  # the same seed, prompts and settings give the same text
+    user: str | None = None
