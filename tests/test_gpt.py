@@ -226,3 +226,28 @@ def test_last_only_is_the_last_position_of_the_full_logits():
     torch.testing.assert_close(last, full[:, -1:], atol=1e-6, rtol=0)
     with pytest.raises(AttnlabError):
         model(ids, targets=ids, last_only=True)
+
+
+def test_training_twins_keep_the_model_causal_and_equal():
+    from attnlab import fast
+
+    plain = model_of(dropout=0.0, attention_dropout=0.0).train()
+    ids = torch.randint(0, 37, (2, 12))
+    expected = plain(ids[:, :-1], targets=ids[:, 1:]).loss
+    twin = fast.for_training(model_of(dropout=0.1, attention_dropout=0.1).train())
+    changed = ids.clone()
+    changed[:, 7] = (ids[:, 7] + 1) % 37
+    torch.manual_seed(5)  # the same dropout masks for both inputs
+    before = twin(ids).logits
+    torch.manual_seed(5)
+    after = twin(changed).logits
+    torch.testing.assert_close(before[:, :7], after[:, :7], atol=1e-6, rtol=0)
+    fast.to_plain(twin)
+    for module in twin.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for layer in twin.layers:
+        layer.self_attn.dropout = 0.0
+    torch.testing.assert_close(
+        fast.for_training(twin)(ids[:, :-1], targets=ids[:, 1:]).loss, expected, atol=1e-6, rtol=0
+    )
