@@ -850,7 +850,7 @@ def test_python_api_checks_options_and_leaves_them_as_given(tiny_dir, tmp_path, 
 
     common = dict(task="classify", model=tiny_dir, train=DATA / "sentiment.tsv", steps=1)
     common.update(batch_size=2, text_column="sentence", progress=False)
-    with pytest.raises(AttnlabError, match="--epochs must be an integer, got '3'"):
+    with pytest.raises(AttnlabError, match="--epochs must be an integer or null, got '3'"):
         finetune(FinetuneOptions(**common, out=tmp_path / "x", epochs="3"))
     opts = FinetuneOptions(**common, out=str(tmp_path / "clf"), save_every=0, eval_every=0)
     given = dataclasses.replace(opts)
@@ -951,3 +951,51 @@ def test_evaluate_and_predict_progress_goes_to_stderr_only(tiny_dir, tmp_path, c
         assert (f"{n}/{n}" in err) == shown and err.endswith(f"wrote predictions for {n} "
                                                             f"example(s) to {output}\n")  # fmt: skip
     assert (tmp_path / "pred0.jsonl").read_text() == (tmp_path / "pred1.jsonl").read_text()
+
+
+def test_defaults_fit_the_model_and_data_are_printed_and_used(tiny_dir, tmp_path, capsys):
+    from attnlab.tasks.finetune import defaults
+
+    # tiny_dir: hidden size 32; sentiment.tsv: 24 training sentences
+    base = ["finetune", "--task", "classify", "--model", tiny_dir, "--train",
+            DATA / "sentiment.tsv", "--text-column", "sentence", "--threads", "1",
+            "--no-progress", "--log-every", "1"]  # fmt: skip
+    code, stdout, err = run(capsys, *base, "--out", tmp_path / "defaults")
+    assert code == 0, err
+    # The table: 1e-4 up to width 512; batch 8 (no size gives 500 steps an epoch); 3 steps an
+    # epoch make 10 epochs (the most, short of 1,000 steps); a 10% warm-up.
+    assert err.splitlines()[:4] == [
+        "lr 1e-4 (default for hidden size 32)",
+        "batch_size 8 (default for 24 training examples: 3 steps an epoch)",
+        "epochs 10 (default: 3 steps an epoch)",
+        "warmup_ratio 0.1 (default: BERT's share of the steps)",
+    ]
+    results = json.loads(stdout)
+    assert (results["batches_per_epoch"], results["final"]["step"]) == (3, 30)
+    rows = [json.loads(line) for line in (tmp_path / "defaults" / "metrics.jsonl").open()]
+    lrs = [row["lr"] for row in rows if "lr" in row]
+    assert max(lrs) == pytest.approx(1e-4) and lrs.index(max(lrs)) == 3  # ceil(10% of 30)
+    # the table's functions, at the rows' edges
+    assert [defaults.default_lr(w) for w in (128, 512, 513, 768, 1024)] == [
+        1e-4, 1e-4, 3e-5, 3e-5, 2e-5,
+    ]  # fmt: skip
+    assert [defaults.default_batch_size(n) for n in (6000, 8000, 16000, 67349, 5)] == [
+        8, 16, 32, 32, 5,
+    ]  # fmt: skip
+    assert [defaults.default_epochs(n) for n in (750, 250, 3, 2104)] == [3, 4, 10, 3]
+    docs = (Path(__file__).parents[1] / "docs" / "finetuning.md").read_text()
+    assert "up to 512: 1e-4; up to 768: 3e-5; larger: 2e-5" in docs  # the one table
+
+    # every flag given wins, and says so
+    code, stdout, err = run(
+        capsys, *base, "--out", tmp_path / "given", "--lr", "2e-3", "--batch-size", "4",
+        "--epochs", "2", "--warmup-ratio", "0",
+    )  # fmt: skip
+    assert code == 0, err
+    assert err.splitlines()[:4] == [
+        "lr 2e-3 (given)", "batch_size 4 (given)", "epochs 2 (given)", "warmup_ratio 0 (given)",
+    ]  # fmt: skip
+    results = json.loads(stdout)
+    assert (results["batches_per_epoch"], results["final"]["step"]) == (6, 12)
+    rows = [json.loads(line) for line in (tmp_path / "given" / "metrics.jsonl").open()]
+    assert rows[0]["lr"] == pytest.approx(2e-3)  # no warm-up: the first step at the peak

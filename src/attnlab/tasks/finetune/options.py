@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,11 +23,12 @@ class FinetuneOptions(DataSettings, RunOptions):
     train: Path
     out: Path
     dev: Path | None = None
-    epochs: int = 3
+    # None: chosen by the run for the checkpoint and the data, and printed (defaults.py)
+    epochs: int | None = None
     steps: int | None = None  # overrides epochs
-    batch_size: int = 32
-    lr: float = 3e-5
-    warmup_ratio: float = 0.1
+    batch_size: int | None = None
+    lr: float | None = None
+    warmup_ratio: float | None = None
     weight_decay: float = 0.01
     fix_answer_offsets: bool = False  # qa training: move a wrong answer offset, not fail
     train_answers: str = "all"  # qa training targets: every gold answer, or the first only
@@ -41,17 +43,19 @@ class FinetuneOptions(DataSettings, RunOptions):
 
     def validate(self) -> None:
         """Raise AttnlabError for impossible settings, before anything is read or written."""
-        super().validate()
+        # RunOptions checks a given lr; None is the run's to choose (defaults.py)
+        given = self if self.lr is not None else dataclasses.replace(self, lr=1.0)
+        super(FinetuneOptions, given).validate()
         task = task_class(self.task)
         for name in ("epochs", "batch_size", "eval_batch_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise AttnlabError(f"{name} must be at least 1", options=(name,))
         self.check()
         if self.steps is not None and self.steps < 1:
             raise AttnlabError("steps must be at least 1", options=("steps",))
         if self.weight_decay < 0:  # finite already
             raise AttnlabError(f"--weight-decay must be >= 0, got {self.weight_decay}")
-        if not 0 <= self.warmup_ratio < 1:
+        if self.warmup_ratio is not None and not 0 <= self.warmup_ratio < 1:
             raise AttnlabError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.train_answers not in TRAIN_ANSWERS:
             raise AttnlabError(f"--train-answers must be all or first, got {self.train_answers!r}")

@@ -29,6 +29,7 @@ from attnlab.text.tokenizer import BertTokenizer
 from attnlab.train.config import TrainConfig
 from attnlab.train.trainer import Trainer, check_run_out, holds_run
 
+from . import defaults
 from .batches import LengthGroupedBatches
 from .inference import SETTINGS_FILE, check_model_fits, load_tokenizer, run_model
 from .options import FinetuneOptions
@@ -167,9 +168,13 @@ def build_run(opts: FinetuneOptions) -> FinetuneRun:
     model, labels, fresh = initial_model(opts, labels)
     train_data = task.featurise(tokenizer, train, labels, opts.train)
     evaluate = dev_evaluation(opts, task, tokenizer, labels)
+    rows = len(train_data.rows)  # lr, batch size, epochs, warm-up: for this model and data
+    choices = defaults.choose(opts, model.bert.config.d_model, rows, lambda b: rows // b)
     batches = LengthGroupedBatches(train_data.rows, opts.batch_size, tokenizer.pad_id, opts.seed)
     best = best_metric(opts, labels)
     config = train_config(opts, batches.batches_per_epoch, best if evaluate else None)
+    for choice in choices:  # once every setting has passed its checks
+        say(choice.line())
     return FinetuneRun(
         model, tokenizer, task, labels, batches, config, evaluate, fresh, len(train_data.examples)
     )
