@@ -96,8 +96,9 @@ def next_tokens(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _check_prompts(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None,
-                   max_new_tokens: int) -> None:  # fmt: skip
+def _check_prompts(
+    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None, max_new_tokens: int
+) -> None:
     """Refuse empty, right-padded or too long prompts."""
     check_token_batch(input_ids, "input_ids", attention_mask=attention_mask)
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
