@@ -383,3 +383,36 @@ def test_lm_train_flags_name_option_fields_and_leave_their_defaults_to_them(lm, 
     flags = {a.dest: a.default for a in parser._actions if a.option_strings and a.dest not in own}
     assert set(flags) <= set(fields), sorted(set(flags) - set(fields))
     assert all(value is None for value in flags.values()), flags
+
+
+def test_a_byte_bpe_run_is_an_hf_gpt2_folder_and_can_start_another(
+    lm, corpus, tiny_config, tmp_path, capsys
+):
+    from transformers import GPT2LMHeadModel, GPT2TokenizerFast
+
+    out = tmp_path / "bpe"
+    args = train_args(corpus, out, tiny_config, "--tokenizer", "byte-bpe", "--vocab-size", 300)
+    assert main([*args, "--steps", "6", "--eval-every", "0"]) == 0
+    hf_tokenizer = GPT2TokenizerFast.from_pretrained(str(out))
+    ours_model, ours_tokenizer = lm.load_lm(out)
+    ids = ours_tokenizer.encode("Speak, speak. hear me")
+    assert hf_tokenizer("Speak, speak. hear me")["input_ids"] == ids
+    hf = GPT2LMHeadModel.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits
+        assert torch.allclose(ours_model(torch.tensor([ids])).logits, expected, atol=1e-5)
+    more = ["lm", "train", "--corpus", str(corpus), "--out", str(tmp_path / "more"), "--init",
+            str(out), "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--no-progress",
+            "--cache-dir", str(tmp_path / "cache"), "--eval-every", "0"]  # fmt: skip
+    assert main(more) == 0
+    assert lm.LMTokenizer.from_dir(tmp_path / "more").vocab_size == ours_tokenizer.vocab_size
+    assert "--init takes the model's shape" in _one_error(capsys, [*more[:-2], "--dropout", "0.1"])
+
+
+def test_a_gpt_folder_given_to_finetune_is_refused(lm, model_dir, tmp_path, capsys):
+    train = tmp_path / "train.tsv"
+    train.write_text("good\tpositive\nbad\tnegative\n")
+    out = tmp_path / "ft"
+    err = _one_error(capsys, ["finetune", "--task", "classify", "--model", str(model_dir),
+                              "--train", str(train), "--out", str(out)])  # fmt: skip
+    assert "gpt2" in err and not out.exists()
