@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -269,21 +270,25 @@ def measure_seconds(model: GPT, opts: LMOptions, data: LMData) -> tuple[float, f
     20 steps have passed, and the median of the later half counts.
     """
     rng = torch.get_rng_state()
-    trial = fast.for_training(NextTokenLoss(copy.deepcopy(model)))
+    device = _training_device()
+    trial = fast.for_training(NextTokenLoss(copy.deepcopy(model))).to(device)
     optimizer = build_optimizer(trial, opts.lr, opts.weight_decay, GPT_BETAS, GPT_EPS)
     batches = copy.copy(data.batches)
     batches.step = 0
     stream = iter(batches)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=opts.precision == "bf16")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=opts.precision == "bf16")
     times: list[float] = []
     while len(times) < 4 or (len(times) < 20 and sum(times) < 3.0):
         began = time.perf_counter()
         for _ in range(opts.grad_accum):
+            batch = {k: v.to(device) for k, v in next(stream).items()}
             with autocast:
-                loss = trial(**next(stream))["loss"]
+                loss = trial(**batch)["loss"]
             (loss / opts.grad_accum).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - began)
     later = sorted(times[len(times) // 2 :])
     evaluation_s = 0.0
@@ -298,6 +303,13 @@ def measure_seconds(model: GPT, opts: LMOptions, data: LMData) -> tuple[float, f
                     break
     torch.set_rng_state(rng)
     return later[len(later) // 2], evaluation_s
+
+
+def _training_device() -> torch.device:
+    """The device the trainer will train on (its "auto": this process's GPU, else the CPU)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def plan_run(opts: LMOptions, config: GPTConfig, measured: tuple[float, float] | None) -> RunPlan:
