@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install demo test lint bench clean
 
@@ -27,7 +28,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The attention page's tests drive Debian's chromium; its heatmaps draw Chinese with Noto CJK.
 test: lint
+	command -v chromium >/dev/null || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }
+	dpkg -s fonts-noto-cjk >/dev/null 2>&1 || $(SUDO) apt-get install -y fonts-noto-cjk
 	$(VENV)/bin/pytest
 
 bench: $(STAMP)
