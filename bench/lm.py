@@ -1,0 +1,148 @@
+"""Language-model speed: attnlab's GPT against HF `GPT2LMHeadModel`, same config and weights.
+
+``train``: training tokens/s. Both models have one config (a GPTConfig preset, the vocabulary
+of --vocab-size) and the same weights (attnlab's, written in GPT-2's layout and read by HF's
+``from_pretrained``), the same batches (random windows of --seq-len tokens), the same
+optimizer (fused AdamW, betas (0.9, 0.99), weight decay 0.1 on matrices and embeddings),
+clipping at 1.0, fp32, --threads threads. attnlab runs as `attnlab lm train` does: its
+training twins swapped in (attnlab.fast) and the trainer's step (bench/common.py:
+training_step); HF's step is the plain loop with the same loss (mean next-token cross-entropy
+of the logits). Timed: the best of --repeats rounds of --steps steps, after a warm-up round.
+
+``generate``: generation tokens/s, sampling --new-tokens tokens (temperature 1) for batches of
+1 and 8 one-token prompts; the end-of-text token is never emitted (random weights would end
+rows at random), so both make exactly the same number of tokens. attnlab runs as `attnlab
+generate` does (inference twins, KV cache); HF's ``generate(do_sample=True)``.
+
+The quality figure (issue 39 item 7c) is a CLI run, not this script:
+
+    attnlab lm train --corpus ../shared/data/tinyshakespeare/input.txt --out runs/shakespeare \
+        --preset gpt-char --max-minutes 10 --threads 2
+    tail -n 11000 ../shared/data/tinyshakespeare/input.txt > /tmp/held.txt  # or the run's split
+    attnlab lm eval --model runs/shakespeare --data ../shared/data/tinyshakespeare/input.txt \
+        --stride 128 --seq-len 256   # whole file; the run's own valid_loss is in metrics.jsonl
+
+Usage: python bench/lm.py train [--preset gpt-char] [--batch-size 32] [--seq-len 256]
+       python bench/lm.py generate [--preset gpt-char] [--new-tokens 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import best_time, machine, training_step
+
+from attnlab import fast
+from attnlab.config import GPTConfig
+from attnlab.interop.gpt2 import save_gpt
+from attnlab.models.gpt import GPT
+from attnlab.tasks.lm import GPT_BETAS, GPT_EPS, NextTokenLoss
+from attnlab.train.optim import build_optimizer
+
+
+def twin_models(preset: str, vocab_size: int, seq_len: int) -> tuple[GPT, torch.nn.Module]:
+    """attnlab's GPT (no dropout) and HF's GPT2LMHeadModel with the same weights."""
+    from transformers import GPT2LMHeadModel
+
+    config = GPTConfig.preset(preset, vocab_size=vocab_size, dropout=0.0, attention_dropout=0.0,
+                              max_positions=max(seq_len + 1, 256))  # fmt: skip
+    torch.manual_seed(0)
+    ours = GPT(config)
+    with tempfile.TemporaryDirectory() as folder:
+        save_gpt(ours, Path(folder) / "gpt", require_hf=True)
+        hf = GPT2LMHeadModel.from_pretrained(str(Path(folder) / "gpt"))
+    return ours, hf
+
+
+def batches(
+    vocab_size: int, batch_size: int, seq_len: int, n: int
+) -> list[dict[str, torch.Tensor]]:
+    """n batches of random windows: input_ids and next-token targets."""
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, vocab_size, (n, batch_size, seq_len + 1), generator=generator)
+    return [{"input_ids": r[:, :-1], "targets": r[:, 1:]} for r in rows]
+
+
+def bench_train(args: argparse.Namespace) -> None:
+    """Training tokens/s of both models on the same batches."""
+    ours, hf = twin_models(args.preset, args.vocab_size, args.seq_len)
+    data = batches(args.vocab_size, args.batch_size, args.seq_len, args.steps)
+    model = fast.for_training(NextTokenLoss(ours.train()))
+    optimizer = build_optimizer(model, 1e-3, 0.1, GPT_BETAS, GPT_EPS)
+    step = training_step(model, optimizer)
+    hf.train()
+    hf_optimizer = build_optimizer(hf, 1e-3, 0.1, GPT_BETAS, GPT_EPS)
+
+    def hf_step(batch: dict[str, torch.Tensor]) -> float:
+        logits = hf(input_ids=batch["input_ids"]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        hf_optimizer.step()
+        hf_optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    tokens = args.steps * args.batch_size * args.seq_len
+    for name, one_step in (("attnlab", step), ("HF", hf_step)):
+        seconds, _ = best_time(lambda s=one_step: [s(b) for b in data], args.repeats)
+        print(
+            f"{name:8} train {tokens / seconds:10.0f} tokens/s ({seconds / args.steps:.3f} s/step)"
+        )
+
+
+def bench_generate(args: argparse.Namespace) -> None:
+    """Sampling tokens/s of both models, batch 1 and 8."""
+    from attnlab.decode.sampling import generate
+
+    ours, hf = twin_models(args.preset, args.vocab_size, args.new_tokens)
+    ours.eval()
+    hf.eval()
+    for batch_size in (1, 8):
+        prompt = torch.zeros((batch_size, 1), dtype=torch.long)
+
+        def run_ours(prompt: torch.Tensor = prompt) -> torch.Tensor:
+            with fast.inference_twins(ours):
+                return generate(
+                    ours, prompt, args.new_tokens, generator=torch.Generator().manual_seed(0)
+                )
+
+        def run_hf(prompt: torch.Tensor = prompt) -> torch.Tensor:
+            return hf.generate(prompt, do_sample=True, max_new_tokens=args.new_tokens,
+                               min_new_tokens=args.new_tokens, top_k=0, eos_token_id=None,
+                               pad_token_id=0, attention_mask=torch.ones_like(prompt))  # fmt: skip
+
+        for name, run in (("attnlab", run_ours), ("HF", run_hf)):
+            seconds, out = best_time(run, args.repeats)
+            assert out.shape == (batch_size, 1 + args.new_tokens), out.shape
+            made = batch_size * args.new_tokens
+            print(f"{name:8} generate batch {batch_size}: {made / seconds:8.0f} tokens/s")
+
+
+def main() -> None:
+    """Parse the mode and its options, set the threads, run."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("train", "generate"))
+    parser.add_argument("--preset", default="gpt-char")
+    parser.add_argument("--vocab-size", type=int, default=65, help="65: shakespeare's characters")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed round")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(machine(), f"| {args.mode} {args.preset} fp32", time.strftime("%Y-%m-%d %H:%M"))
+    bench_train(args) if args.mode == "train" else bench_generate(args)
+
+
+if __name__ == "__main__":
+    main()
