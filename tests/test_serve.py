@@ -363,7 +363,7 @@ def test_health_metrics_docs(bert):
     status, _, data = bert.request("GET", "/health")
     health = json.loads(data)
     assert status == 200 and health["status"] == "ok" and health["kind"] == "bert"
-    assert health["endpoints"] == ["/v1/embeddings", "/v1/fill-mask"]
+    assert health["endpoints"] == ["/v1/embeddings", "/v1/fill-mask", "/v1/attention"]
     status, headers, data = bert.request("GET", "/metrics")
     text = data.decode()
     assert status == 200 and headers["content-type"].startswith("text/plain")
@@ -376,6 +376,34 @@ def test_health_metrics_docs(bert):
     assert status == 200 and b"swagger" in data.lower()
     status, _, data = bert.request("GET", "/openapi.json")
     assert "/v1/embeddings" in json.loads(data)["paths"]
+
+
+def test_attention_equals_attnlab_attention(bert, translator, folders, tmp_path, capsys):
+    """/v1/attention is `attnlab attention --output FILE.json`; GET /?text= is its page."""
+    for server, folder, body, flags in (
+        (bert, folders["bert"], {"text": "the cat sat", "pair": "on a mat"}, ["--pair", "on a mat"]),
+        (bert, folders["bert"], {"text": "the cat sat", "layers": [1], "heads": [0, 1]},
+         ["--layers", "1", "--heads", "0,1"]),
+        (translator, folders["translation"], {"text": PARALLEL[2]}, []),
+    ):  # fmt: skip
+        out = tmp_path / "maps.json"
+        run_cli(capsys, "attention", "--model", str(folder), body["text"], *flags,
+                "--out", str(out), "--overwrite")  # fmt: skip
+        expected = json.loads(out.read_text(encoding="utf-8"))
+        status, answer = server.post("/v1/attention", body)
+        assert status == 200, answer
+        assert answer.pop("model") == folder.name
+        assert answer.keys() == expected.keys()
+        assert answer["tokens"] == expected["tokens"]
+        for kind, weights in expected["attention"].items():
+            torch.testing.assert_close(torch.tensor(answer["attention"][kind]),
+                                       torch.tensor(weights), atol=1e-6, rtol=0)  # fmt: skip
+    status, headers, data = bert.request("GET", "/?text=the%20cat%20sat")
+    assert status == 200 and headers["content-type"].startswith("text/html")
+    assert b"<script" in data and ["the", "cat", "sat"][1].encode() in data
+    assert bert.request("GET", "/")[0] == 200  # a form
+    status, answer = translator.post("/v1/attention", {"text": "x", "pair": "y"})
+    assert status == 422 and "pair" in answer["error"]["message"]
 
 
 # ------------------------------------------------------------------------------ safety

@@ -13,14 +13,14 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from attnlab.errors import AttnlabError, first_line
@@ -30,6 +30,7 @@ from .limits import ApiError, Guard, Limits, check_lengths, check_texts, error_b
 from .metrics import ServerMetrics
 from .models import EncoderModel, LanguageModel, ServedModel, TaskModel, TranslationModel
 from .schemas import (
+    AttentionRequest,
     ClassifyRequest,
     CompletionsRequest,
     EmbeddingsRequest,
@@ -351,6 +352,64 @@ def _streamed(server: Server, served: LanguageModel, key: Hashable, prompt: str,
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+# ------------------------------------------------------------------------------ attention
+
+ATTENTION = "attention"  # the batch key's tag of an attention request (each runs alone)
+
+
+def run_batch(served: ServedModel) -> Callable[[Hashable, list[Any]], list[Any]]:
+    """The batcher's run: attention requests by inspect.attention_maps, the rest by the model."""
+
+    def run(key: Hashable, items: list[Any]) -> list[Any]:
+        if isinstance(key, tuple) and key[0] == ATTENTION:
+            from attnlab.inspect.maps import attention_maps
+
+            # In the worker thread: the model is never used by two threads at once.
+            return [attention_maps(served.model, served.tokenizer, *item) for item in items]
+        return served.run(key, items)
+
+    return run
+
+
+def _add_attention_routes(app: FastAPI, server: Server) -> None:
+    @app.post("/v1/attention", tags=["inspect"])
+    async def attention(body: AttentionRequest, request: Request) -> dict[str, Any]:
+        """Every attention weight on the text, as `attnlab attention --output FILE.json`."""
+        maps = await _maps(server, request, body.text, body.pair, body.target, body.truncate)
+        chosen = maps.select(body.layers, body.heads)
+        values = sum(w.numel() for w in chosen.kinds().values())
+        if values > server.limits.max_attention_values:
+            raise ApiError(413, f"the answer would hold {values} weights, more than "
+                           f"max_attention_values ({server.limits.max_attention_values}): "
+                           "choose layers or heads", limit="max_attention_values")  # fmt: skip
+        return {"model": server.name, **chosen.to_json()}
+
+    @app.get("/", tags=["inspect"], response_class=HTMLResponse)
+    async def page(request: Request, text: str | None = None, pair: str | None = None,
+                   target: str | None = None) -> HTMLResponse:  # fmt: skip
+        """The attention page of ?text= (and &pair= or &target=); without text, a form."""
+        from attnlab.inspect.page import render_page
+
+        if text is None:
+            return HTMLResponse(FORM)
+        maps = await _maps(server, request, text, pair, target, False)
+        html, _ = render_page(maps.select(None, None), f"{server.name}: attention")
+        return HTMLResponse(html)
+
+
+async def _maps(server: Server, request: Request, text: str, pair: str | None,
+                target: str | None, truncate: bool) -> Any:  # fmt: skip
+    """AttentionMaps of one input, computed in the worker thread (each request alone)."""
+    check_texts([t for t in (text, pair, target) if t is not None], server.limits, "text")
+    item = (text, pair, target, truncate)
+    return (await server.answer(request, (ATTENTION, id(item)), [item], [len(text)]))[0]
+
+
+FORM = """<!doctype html><meta charset="utf-8"><title>attnlab attention</title>
+<form method="get" action="/"><p><label>Text <input name="text" size="60"></label>
+<button>Show attention</button></p></form>"""
+
+
 # ------------------------------------------------------------------------------ the app
 
 
@@ -399,9 +458,9 @@ def create_app(
 ) -> Guard:
     """The ASGI app serving one model (start it with uvicorn; the lifespan runs the batcher)."""
     settings, limits = settings or BatchSettings(), limits or Limits()
-    endpoints = served.endpoints()
-    metrics = ServerMetrics({*endpoints, "/health", "/metrics"})
-    batcher = Batcher(served.run, settings.max_batch_tokens, settings.max_wait_ms,
+    endpoints = [*served.endpoints(), "/v1/attention"]
+    metrics = ServerMetrics({*endpoints, "/", "/health", "/metrics"})
+    batcher = Batcher(run_batch(served), settings.max_batch_tokens, settings.max_wait_ms,
                       settings.max_queue, threads, metrics,
                       sort_by_length=not isinstance(served, LanguageModel))  # fmt: skip
     server = Server(served, name, batcher, metrics, limits)
@@ -429,6 +488,7 @@ def create_app(
 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    _add_attention_routes(app, server)
     if isinstance(served, EncoderModel):
         _add_encoder_routes(app, server, served)
     elif isinstance(served, TaskModel):

@@ -36,6 +36,7 @@ class Limits:
     max_beam: int = 16  # translation beam size
     max_new_tokens: int = 1024  # completions' max_tokens
     max_samples: int = 16  # completions' n
+    max_attention_values: int = 4_000_000  # weights in one /v1/attention answer
 
     def __post_init__(self) -> None:
         """Refuse limits that would refuse everything."""

@@ -73,6 +73,7 @@ class TaskModel:
         from attnlab.tasks.finetune.inference import load_finetuned
 
         self.loaded = load_finetuned(model_dir)
+        self.model = self.loaded.model
         self.task = self.loaded.task.name
         self.tokenizer = self.loaded.tokenizer
         self.max_length = self.loaded.settings.max_length

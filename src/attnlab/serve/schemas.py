@@ -91,3 +91,14 @@ class CompletionsRequest(Body):
     stop: str | None = None
     seed: int | None = None  # the same seed, prompts and settings give the same text
     user: str | None = None
+
+
+class AttentionRequest(Body):
+    """A text to look inside, as `attnlab attention` takes it."""
+
+    text: str
+    pair: str | None = None  # BERT: segment B
+    target: str | None = None  # translation: the decoder's input (default: its own translation)
+    layers: list[int] | None = None  # the model's layer numbers to keep (default all)
+    heads: list[int] | None = None
+    truncate: bool = False
