@@ -18,9 +18,9 @@ The quality figure (issue 39 item 7c) is a CLI run, not this script:
 
     attnlab lm train --corpus ../shared/data/tinyshakespeare/input.txt --out runs/shakespeare \
         --preset gpt-char --max-minutes 10 --threads 2
-    tail -n 11000 ../shared/data/tinyshakespeare/input.txt > /tmp/held.txt  # or the run's split
-    attnlab lm eval --model runs/shakespeare --data ../shared/data/tinyshakespeare/input.txt \
-        --stride 128 --seq-len 256   # whole file; the run's own valid_loss is in metrics.jsonl
+    python -c "t = open('../shared/data/tinyshakespeare/input.txt').read(); \
+        open('/tmp/held.txt', 'w').write(t[int(len(t) * 0.9):])"   # the run's held-out 10%
+    attnlab lm eval --model runs/shakespeare --data /tmp/held.txt --stride 128 --seq-len 256
 
 Usage: python bench/lm.py train [--preset gpt-char] [--batch-size 32] [--seq-len 256]
        python bench/lm.py generate [--preset gpt-char] [--new-tokens 256]
