@@ -73,7 +73,9 @@ def cmd_attention(args: argparse.Namespace) -> None:
     )
     model, tokenizer = load_attention_model(args.model)
     maps = attention_maps(model, tokenizer, args.text, args.pair, args.target, args.truncate)
-    summary = write_attention(maps, out, selection, title=Path(args.model).resolve().name)
+    summary = write_attention(
+        maps, out, selection, title=Path(args.model).name or Path(args.model).resolve().name
+    )
     if summary.get("top_k"):
         _say(
             f"attnlab: the page keeps each query's {summary['top_k']} strongest keys "
