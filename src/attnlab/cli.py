@@ -893,19 +893,25 @@ def _add_distill(commands: _Commands) -> None:
     )
 
 
+# finetune's settings left to tasks/finetune/defaults.py
+_CHOSEN = " (default: for the model and data, printed at the start; docs/finetuning.md)"
+
+
 def _add_finetune(commands: _Commands) -> None:
     """`attnlab finetune` (FinetuneOptions)."""
     sub = _command(commands, "finetune", cmd_finetune,
                    "fine-tune BERT on classify/regress/ner/qa data", _FINETUNE)  # fmt: skip
     _add_run_flags(sub, "output directory (an HF-loadable fine-tuned checkpoint)")
+    lr = next(action for action in sub._actions if action.dest == "lr")
+    lr.help += " (default: by the model's hidden size, printed at the start)"
     sub.add_argument("--task", choices=_TASKS, help="classify, regress, ner or qa")
     sub.add_argument("--model", help="checkpoint to start from (attnlab or HF BERT)")
     sub.add_argument("--train", help="training file: .tsv/.csv/.jsonl, CoNLL, SQuAD .json")
     sub.add_argument("--dev", help="dev file: scored each epoch, the best model is kept")
-    sub.add_argument("--epochs", type=int, help="passes over --train")
+    sub.add_argument("--epochs", type=int, help="passes over --train" + _CHOSEN)
     sub.add_argument("--steps", type=int, help="optimiser steps (overrides --epochs)")
-    sub.add_argument("--batch-size", type=int, help="examples per step")
-    sub.add_argument("--warmup-ratio", type=float, help="warm-up share of steps")
+    sub.add_argument("--batch-size", type=int, help="examples per step" + _CHOSEN)
+    sub.add_argument("--warmup-ratio", type=float, help="warm-up share of steps" + _CHOSEN)
     sub.add_argument("--weight-decay", type=float, help="AdamW weight decay")
     sub.add_argument("--eval-every", type=int, help="steps between dev scores (default: epoch)")
     sub.add_argument("--max-seconds", type=float, help="stop training after this long")
