@@ -363,3 +363,33 @@ def test_a_shaw_bert_saves_and_loads_with_its_tables(tmp_path) -> None:
     ids = torch.randint(1, 50, (2, 9))
     with torch.no_grad():
         assert torch.equal(again(ids)["mlm_logits"], model(ids)["mlm_logits"])
+
+
+def test_a_shaw_gpt_decodes_with_a_cache_as_without_and_saves(tmp_path) -> None:
+    gpt = pytest.importorskip("attnlab.models.gpt")
+    from attnlab.interop.gpt2 import load_gpt, save_gpt
+    from attnlab.config import GPTConfig
+
+    torch.manual_seed(0)
+    config = GPTConfig.preset(
+        "gpt-char", vocab_size=30, n_layers=2, d_model=32, n_heads=4, d_ff=64,
+        position_encoding="shaw", shaw_max_distance=3,
+    )  # fmt: skip
+    model = gpt.GPT(config).eval()
+    assert all(type(layer.self_attn) is RelativeMultiHeadAttention for layer in model.layers)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, RelativePositionRepresentations):
+                module.keys.normal_()
+                module.values.normal_()
+        ids = torch.randint(0, 30, (2, 9))
+        full = model(ids).logits
+        cache, steps = model.new_cache(), []
+        for t in range(ids.shape[1]):
+            steps.append(model(ids[:, t : t + 1], cache=cache).logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    save_gpt(model, tmp_path / "gpt")
+    again = load_gpt(tmp_path / "gpt").eval()
+    assert again.config.shaw_max_distance == 3
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, full)
