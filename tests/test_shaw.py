@@ -367,8 +367,8 @@ def test_a_shaw_bert_saves_and_loads_with_its_tables(tmp_path) -> None:
 
 def test_a_shaw_gpt_decodes_with_a_cache_as_without_and_saves(tmp_path) -> None:
     gpt = pytest.importorskip("attnlab.models.gpt")
-    from attnlab.interop.gpt2 import load_gpt, save_gpt
     from attnlab.config import GPTConfig
+    from attnlab.interop.gpt2 import load_gpt, save_gpt
 
     torch.manual_seed(0)
     config = GPTConfig.preset(
