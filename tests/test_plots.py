@@ -170,3 +170,46 @@ def test_bad_position_requests_are_one_line(minilm_dir, tmp_path, capsys):
     with pytest.raises(AttnlabError, match="scheme must be one of"):
         resolve(PositionsPlot(scheme="shaw"))
     assert not out.exists()
+
+
+# --- contextual embeddings ---------------------------------------------------------------------
+
+
+def test_contextual_cosines_equal_hf_hidden_states(minilm_dir):
+    from transformers import BertModel as HFBertModel
+    from transformers import BertTokenizerFast
+
+    from attnlab.inspect.contextual import contextual_similarity
+    from attnlab.inspect.maps import load_attention_model
+
+    model, tokenizer = load_attention_model(minilm_dir)
+    a, b = "We sat on the river bank.", "I took a loan from the bank."
+    pair = contextual_similarity(model, tokenizer, "bank", a, b)
+    hf, hf_tok = (
+        HFBertModel.from_pretrained(str(minilm_dir)),
+        BertTokenizerFast.from_pretrained(str(minilm_dir)),
+    )
+    vectors = []
+    for text in (a, b):
+        batch = hf_tok(text, return_tensors="pt")
+        where = hf_tok.convert_ids_to_tokens(batch["input_ids"][0]).index("bank")
+        with torch.no_grad():
+            states = hf(**batch, output_hidden_states=True).hidden_states
+        vectors.append(torch.stack([h[0, where] for h in states]))
+    expected = torch.nn.functional.cosine_similarity(*vectors, dim=-1)
+    torch.testing.assert_close(torch.tensor(pair.cosines), expected, atol=1e-5, rtol=0)
+    assert len(pair.cosines) == 7 and pair.cosines[-1] < pair.cosines[0]
+    same = contextual_similarity(model, tokenizer, "bank", a, a)
+    torch.testing.assert_close(torch.tensor(same.cosines), torch.ones(7))
+
+
+def test_plot_contextual_cli(minilm_dir, tmp_path, capsys):
+    out = tmp_path / "ctx.png"
+    code, stdout, err = run_cli(capsys, "plot", "contextual", "--model", minilm_dir, "--out", out)
+    assert code == 0, err
+    summary = json.loads(stdout)
+    assert list(summary["cosines"]) == ["bank"] and "skipped 苹果" in err  # no 苹 in MiniLM
+    assert png_size(out) == (650, 600) and ink(out) > 0.02
+    code, _, err = run_cli(capsys, "plot", "contextual", "--model", minilm_dir, "--out",
+                           tmp_path / "x.png", "--example", "cat", "a dog", "a cat")  # fmt: skip
+    assert code == 2 and "'cat' is not among the tokens of 'a dog'" in err

@@ -1,5 +1,6 @@
-"""`attnlab attention` (a model's attention on one input as an HTML page, PNG or JSON) and
-`attnlab plot positions` (pictures of a positional encoding).
+"""`attnlab attention` (a model's attention on one input as an HTML page, PNG or JSON),
+`attnlab plot positions` (pictures of a positional encoding) and `attnlab plot contextual` (one
+word in two contexts, layer by layer).
 
 The library does the work (attnlab.inspect); this reads the flags and prints a JSON summary.
 """
@@ -15,7 +16,7 @@ SCHEMES = ("sinusoidal", "learned", "rope", "alibi", "relative_bias", "normalize
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
-    """Register `attention` and `plot positions`."""
+    """Register `attention`, `plot positions` and `plot contextual`."""
     from attnlab.cli import _Parser
 
     sub = _command(commands, "attention", cmd_attention,
@@ -42,7 +43,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                      help="cut input longer than the model takes (default: refuse it)")  # fmt: skip
     sub.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 
-    group = commands.add_parser("plot", help="pictures: `plot positions ...`")
+    group = commands.add_parser("plot", help="pictures: `plot positions|contextual ...`")
     actions = group.add_subparsers(dest="plot_command", required=True, parser_class=_Parser)
     plot = _command(actions, "positions", cmd_plot_positions,
                     "draw a positional encoding: its table, dot product against distance, "
@@ -53,6 +54,14 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     plot.add_argument("--positions", type=int, help="positions drawn (default 128)")
     plot.add_argument("--dim", type=int, help="d_model of the drawn table (default 128)")
     plot.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    ctx = _command(actions, "contextual", cmd_plot_contextual,
+                   "one word in two contexts: the cosine of its BERT vectors after each layer "
+                   "(default: 苹果 in 吃苹果 / 苹果手机, bank in river bank / bank loan)")  # fmt: skip
+    ctx.add_argument("--model", required=True, help="a BERT checkpoint directory")
+    ctx.add_argument("--example", nargs=3, action="append", metavar=("WORD", "CONTEXT_A", "CONTEXT_B"),
+                     help="a word and two sentences holding it (repeatable)")  # fmt: skip
+    ctx.add_argument("--out", dest="output", required=True, metavar="FILE", help="FILE.png")
+    ctx.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 
 
 def cmd_attention(args: argparse.Namespace) -> None:
@@ -98,3 +107,19 @@ def cmd_plot_positions(args: argparse.Namespace) -> None:
     if args.dim is not None:
         request.dim = args.dim
     _print_json(plot_positions(request, out))
+
+
+def cmd_plot_contextual(args: argparse.Namespace) -> None:
+    """Measure and draw each example; print the cosines as JSON."""
+    from attnlab.errors import AttnlabError
+    from attnlab.inspect.contextual import contextual_plot
+    from attnlab.io import check_output_file
+
+    out = Path(args.output)
+    if out.suffix.lower() != ".png":
+        raise AttnlabError(f"output {out} must end in .png", options=("output",))
+    out = check_output_file(out, args.overwrite, inputs=[args.model])
+    summary = contextual_plot(args.model, [tuple(e) for e in args.example or []], out)
+    for reason in summary["skipped"]:
+        _say(f"attnlab: skipped {reason}")
+    _print_json(summary)
