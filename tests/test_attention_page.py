@@ -219,3 +219,16 @@ def test_bad_models_and_long_text_are_one_line(minilm_dir, tmp_path, capsys):
     assert code == 0, err
     code, _, err = run_cli(capsys, "attention", "--model", minilm_dir, SENTENCE, "--out", out)
     assert code == 2 and "exists" in err and "--overwrite" in err
+
+
+def test_a_fine_tuned_checkpoint_shows_its_encoders_attention(minilm_dir, tmp_path, capsys):
+    from attnlab.interop.hf import load_task_model, save_task_model
+    from attnlab.text.tokenizer import BertTokenizer
+
+    model, _ = load_task_model(minilm_dir, "classify", num_labels=2, new_head=True)
+    save_task_model(model, tmp_path / "task", BertTokenizer.from_dir(minilm_dir), ["neg", "pos"])
+    out, reference = tmp_path / "task.json", tmp_path / "encoder.json"
+    for folder, path in ((tmp_path / "task", out), (minilm_dir, reference)):
+        code, _, err = run_cli(capsys, "attention", "--model", folder, SENTENCE, "--out", path)
+        assert code == 0, err
+    assert json.loads(out.read_text()) == json.loads(reference.read_text())
