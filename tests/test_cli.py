@@ -1151,6 +1151,32 @@ def test_a_library_error_names_options_as_the_python_api_and_the_cli_as_flags(cl
     assert err.worded(lambda name: f"--{name}") == "--max_tokens must be at least 1, got 0"
     spelled = AttnlabError("out /data/out holds a run: pass resume", options=("out", "resume"))
     assert spelled.worded(str.upper) == "OUT /data/out holds a run: pass RESUME"
+    # a value right after its option is not a mention, even when it spells one (--out out)
+    same = AttnlabError(
+        "out out holds a run: pass resume or overwrite", options=("out", "resume", "overwrite")
+    )
+    assert (
+        same.worded(lambda name: f"--{name}")
+        == "--out out holds a run: pass --resume or --overwrite"
+    )
     # embed names its option max_tokens; the command line says --batch-tokens
     assert_one_error(*cli("embed", "--model", tiny_dir, "--batch-tokens", "0", stdin=b"a\n"),
                      "--batch-tokens")  # fmt: skip
+
+
+def test_an_option_of_another_command_is_named_as_its_flag(cli, tmp_path):
+    # evaluate has no --new-head; a model only finetune can re-head names finetune's flag
+    from attnlab.cli import _flag_spelling, build_parser
+
+    args = build_parser().parse_args(["evaluate", "--model", "m", "--data", "d"])
+    spell = _flag_spelling(args)
+    assert spell("batch_size") == "--batch-size"  # its own flag
+    assert spell("new_head") == "--new-head"  # finetune's
+    assert spell("model_config") == "model_config"  # no command has it: as the library says
+    # library messages in option names, said as flags: DistillOptions, TranslateOptions
+    teacher = tmp_path / "teacher"
+    result = cli("distill", "--teacher", teacher, "--out", tmp_path / "o", "--student-layers", "2",
+                 "--student-preset", "bert-tiny")  # fmt: skip
+    assert_one_error(*result, "give exactly one of --student-layers and --student-preset")
+    result = cli("translate", "train", "--out", tmp_path / "t", "--clip-norm", "-1")
+    assert_one_error(*result, "--clip-norm must be a finite number >= 0, got -1.0")

@@ -822,7 +822,7 @@ def test_an_existing_run_needs_resume_or_overwrite(tmp_path: Path) -> None:
     out = tmp_path / "run"
     train(out, steps=2, save_every=2, eval_every=0)
     before = _snapshot(out)
-    with pytest.raises(AttnlabError, match=r"holds a run: pass --resume .* or --overwrite"):
+    with pytest.raises(AttnlabError, match=r"holds a run: pass resume .* or overwrite"):
         train(out, steps=3, save_every=3, eval_every=0)
     assert _snapshot(out) == before
     with pytest.raises(AttnlabError, match="not both"):
@@ -953,9 +953,9 @@ def _job_options(tmp_path: Path) -> list:
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"resume": True, "overwrite": True}, "--resume and --overwrite contradict"),
-        ({"precision": "fp16"}, "--precision must be one of fp32, bf16"),
-        ({"log_every": 0}, "--log-every must be at least 1"),
+        ({"resume": True, "overwrite": True}, "resume and overwrite contradict"),
+        ({"precision": "fp16"}, "precision must be one of fp32, bf16"),
+        ({"log_every": 0}, "log_every must be at least 1"),
     ],
 )
 def test_every_job_checks_the_shared_run_options(

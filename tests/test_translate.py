@@ -303,7 +303,7 @@ def test_bad_options_and_files(data, cli, tmp_path):
     cases = [
         (["--preset", "transformer-huge"], "unknown --preset"),
         (["--steps", 0], "--steps must be at least 1"),
-        (["--resume", "--overwrite"], "contradict"),
+        (["--resume", "--overwrite"], "--resume and --overwrite contradict"),
         (["--max-tokens", 8], "below the longest sentence pair"),
     ]
     for extra, message in cases:

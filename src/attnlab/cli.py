@@ -89,11 +89,27 @@ def _given(args: argparse.Namespace, *names: str) -> dict[str, object]:
 
 
 def _flag_spelling(args: argparse.Namespace | None) -> Callable[[str], str]:
-    """How the CLI says a library option (AttnlabError.options): its command's flag for it."""
+    """How the CLI says a library option (AttnlabError.options): its command's flag for it.
+
+    An option of another command is said as that command's flag (evaluate, loading a model
+    whose head only finetune's --new-head can replace); one no command has stays as named.
+    """
     parser = getattr(args, "command_parser", None)
     actions = parser._actions if parser is not None else []
     flags = {a.dest: max(a.option_strings, key=len) for a in actions if a.option_strings}
-    return lambda name: flags.get(name, name)
+    return lambda name: flags.get(name) or _any_command_flag(name)
+
+
+def _any_command_flag(name: str) -> str:
+    """--name-with-dashes if some attnlab command has that flag, else name itself."""
+    flag = "--" + name.replace("_", "-")
+    parsers, seen = [build_parser()], set()
+    while parsers:
+        for action in parsers.pop()._actions:
+            seen.update(action.option_strings)
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
+    return flag if flag in seen else name
 
 
 def _set_threads(args: argparse.Namespace) -> None:

@@ -20,13 +20,27 @@ class AttnlabError(Exception):
         self.options = tuple(options)
 
     def worded(self, spell: Callable[[str], str]) -> str:
-        """The message with each mention of its options spelled by ``spell``."""
+        """The message with each mention of its options spelled by ``spell``.
+
+        A word right after a spelled mention is that option's value, never a mention: the
+        relative path in "out out holds a run" stays as given.
+        """
         message = str(self)
-        for name in self.options:
-            # A whole word only: not inside a path (out/model), a longer name or a flag.
-            mention = re.compile(rf"(?<![\w./\\-]){re.escape(name)}(?![\w/\\-]|\.\w)")
-            message = mention.sub(spell(name).replace("\\", "\\\\"), message)
-        return message
+        if not self.options:
+            return message
+        names = "|".join(re.escape(name) for name in sorted(self.options, key=len, reverse=True))
+        # A whole word only: not inside a path (out/model), a longer name or a flag.
+        mention = re.compile(rf"(?<![\w./\\-])(?:{names})(?![\w/\\-]|\.\w)")
+        parts, end, value_at = [], 0, -1
+        for match in mention.finditer(message):
+            parts.append(message[end : match.start()])
+            if match.start() == value_at:
+                parts.append(match.group())
+            else:
+                parts.append(spell(match.group()))
+                value_at = match.end() + 1
+            end = match.end()
+        return "".join(parts) + message[end:]
 
 
 def first_line(error: BaseException) -> str:

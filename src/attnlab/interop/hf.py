@@ -638,8 +638,9 @@ def checkpoint_task(path: str | Path, weights: Collection[str] | None = None) ->
         if problem not in PROBLEM_TYPES:
             raise AttnlabError(
                 f"{path}/config.json: problem_type {problem!r} is not supported (attnlab trains "
-                f"{' and '.join(PROBLEM_TYPES)} heads); finetune --new-head (new_head=True) "
-                "trains a new head on its encoder"
+                f"{' and '.join(PROBLEM_TYPES)} heads); finetune with new_head trains a new "
+                "head on its encoder",
+                options=("new_head",),
             )
         return "regress" if problem == "regression" else "classify"
     _refuse_unnamed_head(path, architectures, weights)
@@ -659,8 +660,9 @@ def _refuse_unnamed_head(path: Path, architectures: Any, names: Collection[str] 
     said = f"architectures {architectures}" if architectures else 'no "architectures"'
     raise AttnlabError(
         f"{path}/config.json has {said} but its weights hold a trained {head} head: "
-        f'add "architectures": {fix} to config.json (or replace the head: finetune '
-        "--new-head, new_head=True)"
+        f'add "architectures": {fix} to config.json (or replace the head: finetune with '
+        "new_head)",
+        options=("new_head",),
     )
 
 

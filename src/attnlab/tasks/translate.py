@@ -302,12 +302,11 @@ class TranslateOptions(RunOptions):
         super().validate()
         if self.preset not in TRANSFORMER_PRESETS:
             raise AttnlabError(
-                f"unknown --preset {self.preset!r} (choose from {', '.join(TRANSFORMER_PRESETS)})"
+                f"unknown preset {self.preset!r} (choose from {', '.join(TRANSFORMER_PRESETS)})",
+                options=("preset",),
             )
         if not isinstance(self.model_config, dict):
-            raise AttnlabError(
-                "model_config in --config must be a table of TransformerConfig fields"
-            )
+            raise AttnlabError("model_config must be a table of TransformerConfig fields")
         fields = {f.name for f in dataclasses.fields(TransformerConfig)}
         unknown = sorted(set(self.model_config) - fields)
         if unknown:  # said as "config: unknown field(s)", after the BPE was learnt
@@ -317,24 +316,33 @@ class TranslateOptions(RunOptions):
             )
         if self.vocab_size is not None and self.tokenizer is not None:
             raise AttnlabError(  # it would be ignored in silence
-                "--vocab-size sizes a vocabulary learnt on --train; --tokenizer brings its own: "
-                "drop one of them"
+                "vocab_size sizes a vocabulary learnt on train; tokenizer brings its own: "
+                "drop one of them",
+                options=("vocab_size", "train", "tokenizer"),
             )
         for name in ("vocab_size", "max_tokens", "grad_accum", "average_last", "eval_beam"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise AttnlabError(f"{name} must be at least 1", options=(name,))
         if self.eval_beam > MAX_BEAM:
-            raise AttnlabError(f"--eval-beam must be at most {MAX_BEAM}, got {self.eval_beam}")
+            raise AttnlabError(
+                f"eval_beam must be at most {MAX_BEAM}, got {self.eval_beam}",
+                options=("eval_beam",),
+            )
         if self.steps < 1:
             raise AttnlabError("steps must be at least 1", options=("steps",))
         if self.eval_every < 0 or self.save_every < 0:
-            raise AttnlabError("--eval-every and --save-every must be >= 0")
+            raise AttnlabError(
+                "eval_every and save_every must be >= 0", options=("eval_every", "save_every")
+            )
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise AttnlabError("max_minutes must be > 0", options=("max_minutes",))
         if self.eval_sentences < 0:
             raise AttnlabError("eval_sentences must be >= 0", options=("eval_sentences",))
         if not 0 <= self.clip_norm < math.inf:
-            raise AttnlabError(f"--clip-norm must be a finite number >= 0, got {self.clip_norm}")
+            raise AttnlabError(
+                f"clip_norm must be a finite number >= 0, got {self.clip_norm}",
+                options=("clip_norm",),
+            )
 
 
 def _paths(value: Any, name: str) -> list[Path]:
@@ -342,7 +350,9 @@ def _paths(value: Any, name: str) -> list[Path]:
         return []
     items = [value] if isinstance(value, (str, Path)) else list(value)
     if len(items) > 2:
-        raise AttnlabError(f"--{name} takes SRC TGT files or one TSV file, got {len(items)} files")
+        raise AttnlabError(
+            f"{name} takes SRC TGT files or one TSV file, got {len(items)} files", options=(name,)
+        )
     return [Path(str(item)) for item in items]
 
 
@@ -383,7 +393,9 @@ def read_data(opts: TranslateOptions) -> tuple[ParallelText, ParallelText | None
         if valid.skipped:
             notes.append(f"skipped {valid.skipped} validation pair(s) with an empty side")
         if len(valid) == 0:
-            raise AttnlabError("--valid holds no sentence pair with text on both sides")
+            raise AttnlabError(
+                "valid holds no sentence pair with text on both sides", options=("valid",)
+            )
         return train, valid, notes
     held = min(500, len(train) // 10)
     if held < 1:
@@ -443,9 +455,10 @@ def check_same_model(
     ]
     if differ:
         raise AttnlabError(
-            f"--resume keeps the model of the run in {opts.out}, but the options ask for another: "
-            f"{', '.join(differ)}; drop --preset/--dropout/--label-smoothing/model_config, or "
-            "start again with --overwrite"
+            f"resume keeps the model of the run in {opts.out}, but the options ask for another: "
+            f"{', '.join(differ)}; drop preset, dropout, label_smoothing or model_config, or "
+            "start again with overwrite",
+            options=("resume", "preset", "dropout", "label_smoothing", "overwrite"),
         )
 
 

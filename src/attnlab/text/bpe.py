@@ -182,7 +182,10 @@ def _train(batches: Iterable[list[str]], vocab_size: int, min_frequency: int) ->
             f"vocab_size must be at least {len(SPECIAL_TOKENS) + 2}, got {vocab_size}"
         )
     if vocab_size > MAX_TRAINED_VOCAB:  # tokenizers allocates for it (and aborts when it cannot)
-        raise AttnlabError(f"--vocab-size must be at most {MAX_TRAINED_VOCAB:,}, got {vocab_size}")
+        raise AttnlabError(
+            f"vocab_size must be at most {MAX_TRAINED_VOCAB:,}, got {vocab_size}",
+            options=("vocab_size",),
+        )
     backend = tokenizers.Tokenizer(models.BPE(unk_token=UNK))
     # The same normalizer and pre-tokenizer as BpeTokenizer installs: merges are learnt on
     # exactly the pieces they will later be applied to.

@@ -181,8 +181,9 @@ class TokenBatches:
         longest = max(self.sizes)
         if max_tokens < longest:
             raise AttnlabError(
-                f"--max-tokens {max_tokens} is below the longest sentence pair ({longest} "
-                "tokens): raise it or lower the model's max_positions"
+                f"max_tokens {max_tokens} is below the longest sentence pair ({longest} "
+                "tokens): raise it or lower the model's max_positions",
+                options=("max_tokens",),
             )
         self.max_tokens = max_tokens
         self.pad_id, self.sos_id, self.eos_id = pad_id, sos_id, eos_id
@@ -243,7 +244,8 @@ class TokenBatches:
         if len(self.epoch_batches(0)) < world_size:
             raise AttnlabError(
                 f"the data makes {len(self.epoch_batches(0))} batches per epoch, fewer than the "
-                f"{world_size} processes: lower --max-tokens"
+                f"{world_size} processes: lower max_tokens",
+                options=("max_tokens",),
             )
         self.rank, self.world_size = rank, world_size
 

@@ -74,7 +74,8 @@ class ExampleBuilder:
         if objective == "mlm+nsp" and corpus.n_documents < 2:
             raise AttnlabError(
                 "the corpus has a single document (a blank line ends one): next-sentence "
-                "prediction needs at least two (use --objective mlm)"
+                "prediction needs at least two (use objective mlm)",
+                options=("objective",),
             )
         self.corpus = corpus
         self._base = corpus.corpus if isinstance(corpus, CorpusView) else corpus

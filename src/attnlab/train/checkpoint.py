@@ -189,7 +189,8 @@ def read_checkpoint(path: Path, model: nn.Module) -> dict[str, Any]:
         raise AttnlabError(
             f"checkpoint {path} holds another model ({len(other)} weights differ, e.g. "
             f"{other[0]}): resume with the settings the run began with (preset, objective, "
-            "teacher...), or start afresh with --overwrite"
+            "teacher...), or start afresh with overwrite",
+            options=("overwrite",),
         )
     return state
 

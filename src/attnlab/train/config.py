@@ -140,22 +140,33 @@ class RunOptions:
         if not self.lr > 0:  # finite already
             raise AttnlabError(f"lr must be > 0, got {self.lr}", options=("lr",))
         if self.log_every < 1:
-            raise AttnlabError(f"--log-every must be at least 1, got {self.log_every}")
+            raise AttnlabError(
+                f"log_every must be at least 1, got {self.log_every}", options=("log_every",)
+            )
         if self.keep_last < 0:
-            raise AttnlabError(f"--keep-last must be >= 0 (0 keeps all), got {self.keep_last}")
+            raise AttnlabError(
+                f"keep_last must be >= 0 (0 keeps all), got {self.keep_last}",
+                options=("keep_last",),
+            )
         if self.precision not in PRECISIONS:
             raise AttnlabError(
-                f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}",
+                options=("precision",),
             )
         if self.resume and self.overwrite:
-            raise AttnlabError("--resume and --overwrite contradict each other: choose one")
+            raise AttnlabError(
+                "resume and overwrite contradict each other: choose one",
+                options=("resume", "overwrite"),
+            )
         check_seed(self.seed)
 
 
 def check_seed(seed: int) -> None:
     """Raise AttnlabError unless seed is an integer in [0, 2**63) (what every RNG here takes)."""
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
-        raise AttnlabError(f"--seed must be an integer from 0 to 2**63 - 1, got {seed!r}")
+        raise AttnlabError(
+            f"seed must be an integer from 0 to 2**63 - 1, got {seed!r}", options=("seed",)
+        )
 
 
 def seed_everything(seed: int) -> None:

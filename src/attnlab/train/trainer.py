@@ -94,14 +94,17 @@ def check_run_out(
     """
     check_out_location(out, [p for p in inputs if p is not None] if overwrite else [])
     if out.exists() and not out.is_dir():
-        raise AttnlabError(f"--out {out} exists and is not a directory")
+        raise AttnlabError(f"out {out} exists and is not a directory", options=("out",))
     if not contents(out):  # nothing, or only the temp files of a start killed early
         return
     if not (resume or overwrite):
         what = "holds a run" if started else "already holds files"
-        raise AttnlabError(f"--out {out} {what}: pass --resume to continue or --overwrite")
+        raise AttnlabError(
+            f"out {out} {what}: pass resume to continue or overwrite",
+            options=("out", "resume", "overwrite"),
+        )
     if resume and not started:
-        raise AttnlabError(f"--resume: {out} holds no {job} run to resume")
+        raise AttnlabError(f"resume: {out} holds no {job} run to continue", options=("resume",))
 
 
 @contextlib.contextmanager
@@ -551,7 +554,8 @@ class Trainer:
         has_progress = (out / METRICS_FILE).exists() or (root.is_dir() and any(root.iterdir()))
         if has_progress and not (cfg.resume or cfg.overwrite):
             raise AttnlabError(
-                f"{out} holds a run: pass --resume to continue or --overwrite to start over"
+                f"{out} holds a run: pass resume to continue or overwrite to start over",
+                options=("resume", "overwrite"),
             )
         # Every rank reads the checkpoint (a shared filesystem is assumed) before any rank
         # writes: a bad checkpoint stops all of them with nothing changed.

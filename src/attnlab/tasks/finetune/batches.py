@@ -74,8 +74,9 @@ class LengthGroupedBatches:
     ) -> None:
         if not 1 <= batch_size <= len(rows):
             raise AttnlabError(
-                f"--batch-size {batch_size} must be between 1 and the {len(rows)} training "
-                "examples (features)"
+                f"batch_size {batch_size} must be between 1 and the {len(rows)} training "
+                "examples (features)",
+                options=("batch_size",),
             )
         self.rows = rows
         self.lengths = torch.tensor([len(row["input_ids"]) for row in rows])
@@ -93,7 +94,8 @@ class LengthGroupedBatches:
         """Read only this rank's slice of each global batch."""
         if self.batch_size % world_size:
             raise AttnlabError(
-                f"--batch-size {self.batch_size} is not divisible by the {world_size} processes"
+                f"batch_size {self.batch_size} is not divisible by the {world_size} processes",
+                options=("batch_size",),
             )
         self.rank, self.world_size = rank, world_size
 

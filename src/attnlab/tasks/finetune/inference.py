@@ -52,7 +52,9 @@ def run_model(
     progress(n) is told of each n rows done.
     """
     if batch_size < 1:
-        raise AttnlabError(f"--batch-size must be at least 1, got {batch_size}")
+        raise AttnlabError(
+            f"batch_size must be at least 1, got {batch_size}", options=("batch_size",)
+        )
     device = next(model.parameters()).device
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]), reverse=True)
     results: Outputs = [{} for _ in rows]
@@ -102,7 +104,10 @@ def check_model_fits(task: FinetuneTask, model_dir: Path) -> None:
     max_length = task.settings.max_length
     limit = config.max_positions
     if max_length > limit:
-        raise AttnlabError(f"--max-length {max_length} is above the model's maximum ({limit})")
+        raise AttnlabError(
+            f"max_length {max_length} is above the model's maximum ({limit})",
+            options=("max_length",),
+        )
     if max_length < 8:
         raise AttnlabError("max_length must be at least 8", options=("max_length",))
 

@@ -54,18 +54,30 @@ class FinetuneOptions(DataSettings, RunOptions):
         if self.steps is not None and self.steps < 1:
             raise AttnlabError("steps must be at least 1", options=("steps",))
         if self.weight_decay < 0:  # finite already
-            raise AttnlabError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+            raise AttnlabError(
+                f"weight_decay must be >= 0, got {self.weight_decay}", options=("weight_decay",)
+            )
         if self.warmup_ratio is not None and not 0 <= self.warmup_ratio < 1:
-            raise AttnlabError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
+            raise AttnlabError(
+                f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}",
+                options=("warmup_ratio",),
+            )
         if self.train_answers not in TRAIN_ANSWERS:
-            raise AttnlabError(f"--train-answers must be all or first, got {self.train_answers!r}")
+            raise AttnlabError(
+                f"train_answers must be all or first, got {self.train_answers!r}",
+                options=("train_answers",),
+            )
         if self.best_metric is not None and self.best_metric not in task.metrics:
             raise AttnlabError(
-                f"--best-metric {self.best_metric!r} is not a {self.task} score "
-                f"(choose from {', '.join(task.metrics)})"
+                f"best_metric {self.best_metric!r} is not a {self.task} score "
+                f"(choose from {', '.join(task.metrics)})",
+                options=("best_metric",),
             )
         if self.best_metric is not None and self.dev is None:
-            raise AttnlabError("--best-metric needs --dev: it picks the model by its dev score")
+            raise AttnlabError(
+                "best_metric needs dev: it picks the model by its score on that file",
+                options=("best_metric", "dev"),
+            )
 
     def data_settings(self) -> DataSettings:
         """The data settings saved with the model (finetune.json)."""

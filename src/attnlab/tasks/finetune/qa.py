@@ -101,7 +101,8 @@ class QATask(FinetuneTask):
                 )
             except task_data.AnswerOffsetError as err:
                 raise AttnlabError(
-                    f"{err}; --fix-answer-offsets moves such answers to where their text occurs"
+                    f"{err}; fix_answer_offsets moves such answers to where their text occurs",
+                    options=("fix_answer_offsets",),
                 ) from None
         for warning in caught:
             say(f"warning: {warning.message}")

@@ -85,15 +85,17 @@ def initial_model(
     if saved is not None:
         if saved != opts.task:
             raise AttnlabError(
-                f"--model {opts.model} is fine-tuned for {saved!r}, not {opts.task!r}: "
-                "pass --new-head to train a new head on its encoder"
+                f"model {opts.model} is fine-tuned for {saved!r}, not {opts.task!r}: "
+                "pass new_head to train a new head on its encoder",
+                options=("model", "new_head"),
             )
         if labels is not None and labels.kind == "classes":
             names = checkpoint_labels(opts.model) or []
             if sorted(names) != sorted(labels.names):
                 raise AttnlabError(
-                    f"--model {opts.model} was trained on labels {names}, the training file "
-                    f"has {labels.names}: pass --new-head to train a new head"
+                    f"model {opts.model} was trained on labels {names}, the training file "
+                    f"has {labels.names}: pass new_head to train a new head",
+                    options=("model", "new_head"),
                 )
             labels = task_data.LabelSet("classes", names)  # the head's own label order
     n_labels = labels.num_labels if labels is not None else None
@@ -126,7 +128,8 @@ def best_metric(opts: FinetuneOptions, labels: task_data.LabelSet | None) -> str
     best = opts.best_metric or task_class(opts.task).best_metric
     if best == "mcc" and labels is not None and labels.num_labels != 2:
         raise AttnlabError(
-            f"--best-metric mcc needs two classes; these data have {labels.num_labels}"
+            f"best_metric mcc needs two classes; these data have {labels.num_labels}",
+            options=("best_metric",),
         )
     return best
 

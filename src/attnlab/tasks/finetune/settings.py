@@ -38,10 +38,13 @@ class DataSettings:
         """
         if self.max_answer_length < 1:
             raise AttnlabError(
-                f"--max-answer-length must be at least 1, got {self.max_answer_length}"
+                f"max_answer_length must be at least 1, got {self.max_answer_length}",
+                options=("max_answer_length",),
             )
         if self.language not in LANGUAGES:
-            raise AttnlabError(f"--language must be auto, en or zh, got {self.language!r}")
+            raise AttnlabError(
+                f"language must be auto, en or zh, got {self.language!r}", options=("language",)
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as finetune.json holds them."""
