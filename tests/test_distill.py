@@ -303,7 +303,7 @@ def test_held_out_agreement_and_kl_with_the_teacher():
 def test_cosine_needs_equal_widths():
     teacher = _teacher()
     student = student_from_teacher(teacher, preset="bert-tiny")
-    with pytest.raises(AttnlabError, match="alpha-cos"):
+    with pytest.raises(AttnlabError, match="alpha_cos needs equal widths"):
         DistillationModel(teacher, student)
     out = DistillationModel(teacher, student, alpha_cos=0.0)(**_batch(teacher.config.vocab_size))
     assert "cosine_loss" not in out and out["loss"].ndim == 0

@@ -767,6 +767,27 @@ def _add_corpus_flags(sub: argparse.ArgumentParser, warmup_share: str) -> None:
     )
 
 
+def _corpus_job_command(
+    commands: _Commands,
+    name: str,
+    func: Callable[[argparse.Namespace], None],
+    text: str,
+    defaults_from: str,
+    warmup_share: str,
+) -> _Parser:
+    """pretrain or distill: a training job's flags and the corpus flags both share."""
+    sub = _command(commands, name, func, text, defaults_from)
+    _add_run_flags(sub, "output directory (an HF-compatible checkpoint)")
+    _add_corpus_flags(sub, warmup_share)
+    return sub
+
+
+def _add_numbers(sub: argparse.ArgumentParser, *flags: tuple[str, type, str]) -> None:
+    """Flags that take one number each: (flag, int or float, help), in --help's order."""
+    for flag, kind, text in flags:
+        sub.add_argument(flag, type=kind, help=text)
+
+
 def _add_data_flags(sub: argparse.ArgumentParser, trained: bool = False) -> None:
     """How a task file is read; trained: evaluate/predict, whose defaults are training's."""
     saved = " (default: as in training)" if trained else ""
@@ -868,10 +889,8 @@ def _add_embed_and_export(commands: _Commands) -> None:
 
 def _add_pretrain(commands: _Commands) -> None:
     """`attnlab pretrain` (PretrainOptions) and `attnlab fill-mask`."""
-    sub = _command(commands, "pretrain", cmd_pretrain,
-                   "pretrain a BERT on text files (resumable)", _PRETRAIN)  # fmt: skip
-    _add_run_flags(sub, "output directory (an HF-compatible checkpoint)")
-    _add_corpus_flags(sub, warmup_share="10%%")
+    sub = _corpus_job_command(commands, "pretrain", cmd_pretrain,
+                              "pretrain a BERT on text files (resumable)", _PRETRAIN, "10%%")  # fmt: skip
     sub.add_argument("--preset", help="model size (default bert-mini, or --init's)")
     sub.add_argument("--objective", choices=("mlm+nsp", "mlm", "mlm+sop"))
     sub.add_argument("--tokenizer", help="use this vocabulary instead of training one")
@@ -894,10 +913,8 @@ def _add_pretrain(commands: _Commands) -> None:
 
 def _add_distill(commands: _Commands) -> None:
     """`attnlab distill` (DistillOptions)."""
-    sub = _command(commands, "distill", cmd_distill,
-                   "distil a smaller BERT from a teacher (DistilBERT)", _DISTILL)  # fmt: skip
-    _add_run_flags(sub, "output directory (an HF-compatible checkpoint)")
-    _add_corpus_flags(sub, warmup_share="5%%")
+    sub = _corpus_job_command(commands, "distill", cmd_distill,
+                              "distil a smaller BERT from a teacher (DistilBERT)", _DISTILL, "5%%")  # fmt: skip
     sub.add_argument("--teacher", help="teacher checkpoint directory (HF or attnlab BERT)")
     sub.add_argument("--student-layers", type=int, help="student = teacher with N layers")
     sub.add_argument("--student-preset", help="student = a fresh model of this size")
@@ -924,13 +941,16 @@ def _add_finetune(commands: _Commands) -> None:
     sub.add_argument("--model", help="checkpoint to start from (attnlab or HF BERT)")
     sub.add_argument("--train", help="training file: .tsv/.csv/.jsonl, CoNLL, SQuAD .json")
     sub.add_argument("--dev", help="dev file: scored each epoch, the best model is kept")
-    sub.add_argument("--epochs", type=int, help="passes over --train" + _CHOSEN)
-    sub.add_argument("--steps", type=int, help="optimiser steps (overrides --epochs)")
-    sub.add_argument("--batch-size", type=int, help="examples per step" + _CHOSEN)
-    sub.add_argument("--warmup-ratio", type=float, help="warm-up share of steps" + _CHOSEN)
-    sub.add_argument("--weight-decay", type=float, help="AdamW weight decay")
-    sub.add_argument("--eval-every", type=int, help="steps between dev scores (default: epoch)")
-    sub.add_argument("--max-seconds", type=float, help="stop training after this long")
+    _add_numbers(
+        sub,
+        ("--epochs", int, "passes over --train" + _CHOSEN),
+        ("--steps", int, "optimiser steps (overrides --epochs)"),
+        ("--batch-size", int, "examples per step" + _CHOSEN),
+        ("--warmup-ratio", float, "warm-up share of steps" + _CHOSEN),
+        ("--weight-decay", float, "AdamW weight decay"),
+        ("--eval-every", int, "steps between dev scores (default: epoch)"),
+        ("--max-seconds", float, "stop training after this long"),
+    )
     sub.add_argument("--best-metric", help="dev metric that picks the kept model")
     sub.add_argument("--new-head", action="store_true", default=None,
                      help="replace a fine-tuned --model's head (other task or labels)")  # fmt: skip
@@ -947,27 +967,36 @@ def _add_finetune(commands: _Commands) -> None:
 
 def _add_evaluate_and_predict(commands: _Commands) -> None:
     """`attnlab evaluate` and `attnlab predict` (a fine-tuned model's data settings apply)."""
-    sub = _command(commands, "evaluate", cmd_evaluate,
-                   "score a fine-tuned model on a labelled file",
-                   "attnlab.tasks.finetune.evaluate_file")  # fmt: skip
-    sub.add_argument("--model", required=True, help="fine-tuned checkpoint directory")
-    sub.add_argument("--data", required=True, help="labelled file in the task's format")
-    sub.add_argument("--task", choices=_TASKS, help="must match the model's (default: its own)")
-    sub.add_argument("--batch-size", type=int, help="examples per batch")
+    sub = _finetuned_model_command(commands, "evaluate", cmd_evaluate,
+                                   "score a fine-tuned model on a labelled file",
+                                   {"--data": "labelled file in the task's format"})  # fmt: skip
     _add_progress_flag(sub)
     _add_data_flags(sub, trained=True)
 
-    sub = _command(commands, "predict", cmd_predict,
-                   "write a fine-tuned model's predictions for a file",
-                   "attnlab.tasks.finetune.predict_file")  # fmt: skip
-    sub.add_argument("--model", required=True, help="fine-tuned checkpoint directory")
-    sub.add_argument("--input", required=True, help="file in the task's format (labels unused)")
-    sub.add_argument("--output", required=True, help="JSONL, CoNLL (ner) or SQuAD JSON (qa)")
-    sub.add_argument("--task", choices=_TASKS, help="must match the model's (default: its own)")
-    sub.add_argument("--batch-size", type=int, help="examples per batch")
+    files = {"--input": "file in the task's format (labels unused)",
+             "--output": "JSONL, CoNLL (ner) or SQuAD JSON (qa)"}  # fmt: skip
+    sub = _finetuned_model_command(commands, "predict", cmd_predict,
+                                   "write a fine-tuned model's predictions for a file", files)  # fmt: skip
     sub.add_argument("--overwrite", action="store_true")
     _add_progress_flag(sub)
     _add_data_flags(sub, trained=True)
+
+
+def _finetuned_model_command(
+    commands: _Commands,
+    name: str,
+    func: Callable[[argparse.Namespace], None],
+    text: str,
+    files: dict[str, str],
+) -> _Parser:
+    """evaluate or predict (defaults: finetune's NAME_file): --model, the files, --task, batch."""
+    sub = _command(commands, name, func, text, f"attnlab.tasks.finetune.{name}_file")
+    sub.add_argument("--model", required=True, help="fine-tuned checkpoint directory")
+    for flag, help_text in files.items():
+        sub.add_argument(flag, required=True, help=help_text)
+    sub.add_argument("--task", choices=_TASKS, help="must match the model's (default: its own)")
+    sub.add_argument("--batch-size", type=int, help="examples per batch")
+    return sub
 
 
 def _add_translate_commands(commands: _Commands) -> None:

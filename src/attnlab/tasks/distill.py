@@ -27,19 +27,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab import fast
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
 from attnlab.interop.hf import check_vocabulary, load_bert, read_config
 from attnlab.io import check_input_file, check_out_location, clear_dir, resolved_path
 from attnlab.models.bert import BertForPreTraining, count_parameters
 from attnlab.nn.loss import SummedKLDivergence
-from attnlab.tasks.job import Job, run_job
+from attnlab.tasks.job import run_job
 from attnlab.tasks.pretrain import (
-    PretrainingData,
+    CorpusJob,
     PretrainOptions,
     bundled_corpus,
-    check_out_dir,
     check_upper_bounds,
     prepare_data,
     publish_bert,
@@ -47,7 +45,7 @@ from attnlab.tasks.pretrain import (
 )
 from attnlab.text.tokenizer import BertTokenizer
 from attnlab.train.config import RunOptions
-from attnlab.train.trainer import Evaluate, TrainConfig, Trainer
+from attnlab.train.trainer import Evaluate, Trainer
 
 _LAYER = re.compile(r"^bert\.encoder\.layers\.(\d+)\.(.+)$")
 
@@ -71,14 +69,40 @@ def student_from_teacher(
     when its shape matches the teacher's (same width; a relative-bias table also needs the
     same number of heads). Copies, never shared tensors.
     """
+    config = _student_config(teacher.config, n_layers, preset)
+    student = BertForPreTraining(config, sentence_head=False)
+    source, target = teacher.state_dict(), student.state_dict()
+    n_teacher, n_student = len(teacher.bert.encoder.layers), len(student.bert.encoder.layers)
+    chosen: dict[str, Tensor] = {}
+    for name in target:
+        match = _LAYER.match(name)
+        if match is None:
+            chosen[name] = source[name]
+        elif n_layers is not None:
+            index, rest = match.groups()
+            picked = teacher_layer(int(index), n_student, n_teacher)
+            chosen[name] = source[f"bert.encoder.layers.{picked}.{rest}"]
+    # Every tensor whose shape fits is copied: all of them with n_layers; with a preset of
+    # the teacher's width the embeddings and MLM head (a relative-bias table only if the head
+    # count is the same too); with another width nothing but the vocabulary bias.
+    fits = {name: tensor for name, tensor in chosen.items() if tensor.shape == target[name].shape}
+    student.load_state_dict(fits, strict=False)  # copy_ into the student's own tensors
+    return student.train()
+
+
+def _student_config(base: BertConfig, n_layers: int | None, preset: str | None) -> BertConfig:
+    """The student's config: the teacher's (base) with n_layers layers, or a preset's sizes."""
     if (n_layers is None) == (preset is None):
-        raise AttnlabError("give exactly one of --student-layers and --student-preset")
-    base = teacher.config
+        raise AttnlabError(
+            "give exactly one of student_layers and student_preset",
+            options=("student_layers", "student_preset"),
+        )
     if n_layers is not None:
         if not 1 <= n_layers < base.n_layers:
             raise AttnlabError(
-                f"--student-layers must be between 1 and {base.n_layers - 1} "
-                f"(the teacher has {base.n_layers} layers)"
+                f"student_layers must be between 1 and {base.n_layers - 1} "
+                f"(the teacher has {base.n_layers} layers)",
+                options=("student_layers",),
             )
         config = base.replace(n_layers=n_layers)
     else:
@@ -99,24 +123,7 @@ def student_from_teacher(
             norm_position=base.norm_position,
             layer_norm_eps=base.layer_norm_eps,
         )
-    student = BertForPreTraining(config, sentence_head=False)
-    source, target = teacher.state_dict(), student.state_dict()
-    n_teacher, n_student = len(teacher.bert.encoder.layers), len(student.bert.encoder.layers)
-    chosen: dict[str, Tensor] = {}
-    for name in target:
-        match = _LAYER.match(name)
-        if match is None:
-            chosen[name] = source[name]
-        elif n_layers is not None:
-            index, rest = match.groups()
-            picked = teacher_layer(int(index), n_student, n_teacher)
-            chosen[name] = source[f"bert.encoder.layers.{picked}.{rest}"]
-    # Every tensor whose shape fits is copied: all of them with n_layers; with a preset of
-    # the teacher's width the embeddings and MLM head (a relative-bias table only if the head
-    # count is the same too); with another width nothing but the vocabulary bias.
-    fits = {name: tensor for name, tensor in chosen.items() if tensor.shape == target[name].shape}
-    student.load_state_dict(fits, strict=False)  # copy_ into the student's own tensors
-    return student.train()
+    return config
 
 
 # ---------------------------------------------------------------------------- the loss
@@ -175,11 +182,14 @@ class DistillationModel(nn.Module):
         self.same_width = teacher.config.d_model == student.config.d_model
         if alpha_cos and not self.same_width:
             raise AttnlabError(
-                f"--alpha-cos needs equal widths (student d_model {student.config.d_model}, "
-                f"teacher {teacher.config.d_model}): pass --alpha-cos 0"
+                f"alpha_cos needs equal widths (student d_model {student.config.d_model}, "
+                f"teacher {teacher.config.d_model}): pass alpha_cos 0",
+                options=("alpha_cos",),
             )
         if temperature <= 0:
-            raise AttnlabError(f"--temperature must be positive, got {temperature}")
+            raise AttnlabError(
+                f"temperature must be positive, got {temperature}", options=("temperature",)
+            )
         self.student = student
         self.kl_divergence = SummedKLDivergence()  # a module: the job swaps in its fast twin
         object.__setattr__(self, "teacher", teacher.eval().requires_grad_(False))
@@ -322,23 +332,29 @@ class DistillOptions(RunOptions):
         """Raise AttnlabError for impossible settings, before anything is read or written."""
         super().validate()
         if (self.student_layers is None) == (self.student_preset is None):
-            raise AttnlabError("give exactly one of --student-layers and --student-preset")
+            raise AttnlabError(
+                "give exactly one of student_layers and student_preset",
+                options=("student_layers", "student_preset"),
+            )
         for name in ("steps", "batch_size", "grad_accum", "seq_len", "max_predictions"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise AttnlabError(f"{name} must be at least 1", options=(name,))
         check_upper_bounds(self.batch_size, self.seq_len)
         if not 0 < self.temperature < math.inf:
-            raise AttnlabError(f"--temperature must be a finite number > 0, got {self.temperature}")
+            raise AttnlabError(
+                f"temperature must be a finite number > 0, got {self.temperature}",
+                options=("temperature",),
+            )
         for name in ("alpha_ce", "alpha_mlm", "alpha_cos"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < math.inf:
                 raise AttnlabError(
-                    f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}"
+                    f"{name} must be a finite number >= 0, got {value}", options=(name,)
                 )
         out, teacher = (
-            resolved_path(Path(self.out), "--out"),
-            resolved_path(self.teacher, "--teacher"),
+            resolved_path(Path(self.out), "out"),
+            resolved_path(self.teacher, "teacher"),
         )
         if out == teacher:
             raise AttnlabError("out must differ from teacher", options=("out", "teacher"))
@@ -372,8 +388,9 @@ def _load_teacher(opts: DistillOptions) -> tuple[BertForPreTraining, BertTokeniz
     check_vocabulary(opts.teacher, tokenizer.vocab_size, teacher.config)
     if opts.seq_len > teacher.config.max_positions:
         raise AttnlabError(
-            f"--seq-len {opts.seq_len} is above the teacher's max positions "
-            f"({teacher.config.max_positions})"
+            f"seq_len {opts.seq_len} is above the teacher's max positions "
+            f"({teacher.config.max_positions})",
+            options=("seq_len",),
         )
     return teacher, tokenizer
 
@@ -386,7 +403,10 @@ def _distillation_model(opts: DistillOptions) -> tuple[DistillationModel, BertTo
     same_width = teacher.config.d_model == student.config.d_model
     alpha_cos = opts.alpha_cos if opts.alpha_cos is not None else float(same_width)
     if opts.alpha_ce == opts.alpha_mlm == alpha_cos == 0:
-        raise AttnlabError("--alpha-ce, --alpha-mlm and --alpha-cos are all 0: nothing to learn")
+        raise AttnlabError(
+            "alpha_ce, alpha_mlm and alpha_cos are all 0: nothing to learn",
+            options=("alpha_ce", "alpha_mlm", "alpha_cos"),
+        )
     model = DistillationModel(
         teacher, student, opts.temperature, opts.alpha_ce, opts.alpha_mlm, alpha_cos
     )
@@ -394,7 +414,7 @@ def _distillation_model(opts: DistillOptions) -> tuple[DistillationModel, BertTo
 
 
 @dataclass
-class DistillJob(Job):
+class DistillJob(CorpusJob):
     """A distillation run's steps, in the order ``run_job`` calls them (tasks/job.py).
 
     The data are pretraining's (MLM-only examples); nothing is written before ``fit()`` but
@@ -402,16 +422,12 @@ class DistillJob(Job):
     """
 
     opts: DistillOptions
-    files: list[Path]
-    config: TrainConfig
     model: DistillationModel = field(init=False)
-    tokenizer: BertTokenizer = field(init=False)
-    data: PretrainingData = field(init=False)
     agreement_before: dict[str, Any] = field(default_factory=dict)  # step 0's eval row
 
-    def check_out(self) -> None:
-        """Refuse an --out that holds files or another run, unless resuming or overwriting."""
-        check_out_dir(self.opts.pretraining())
+    def pretraining_options(self) -> PretrainOptions:
+        """Pretraining's settings of the same data: MLM-only examples."""
+        return self.opts.pretraining()
 
     def prepare(self, world_size: int) -> None:
         """Load the teacher, build the student, tokenize (filling the cache) and check the data."""
@@ -426,15 +442,13 @@ class DistillJob(Job):
     def follow(self) -> None:
         """The teacher, the student and the data (the cache rank 0 filled)."""
         self.model, self.tokenizer = _distillation_model(self.opts)
-        self.data = prepare_data(self.opts.pretraining(), self.files, self.tokenizer)
+        self.data = prepare_data(self.pretraining_options(), self.files, self.tokenizer)
 
     def trainer(self) -> Trainer:
         """The shared trainer on pretraining's batches, scoring the student's agreement too."""
         held_out = self.data.evaluate
         evaluate = distillation_evaluation(held_out) if held_out is not None else None
-        model, speedups = fast.for_training(self.model), fast.TrainingSpeedups()
-        # Trainer moves the teacher too (DistillationModel._apply)
-        return Trainer(model, self.data.batches, self.config, evaluate, speedups=speedups)
+        return self._trainer(self.model, evaluate)  # it moves the teacher too (_apply)
 
     def publish(self, trainer: Trainer, summary: dict[str, Any]) -> dict[str, Any]:
         """The student in --out, an HF BertForMaskedLM checkpoint with the teacher's tokenizer."""

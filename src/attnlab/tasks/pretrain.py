@@ -37,6 +37,7 @@ from attnlab.text.tokenizer import BertTokenizer, train_wordpiece
 from attnlab.train.config import RunOptions
 from attnlab.train.data import Batch
 from attnlab.train.trainer import (
+    Evaluate,
     TrainConfig,
     Trainer,
     check_run_out,
@@ -46,20 +47,20 @@ from attnlab.train.trainer import (
 
 MASKING_SETTINGS = ("whole_word_masking", "static_masking", "mask_prob", "max_predictions")
 TOKENIZER_DIR = "tokenizer"  # inside the output: the vocabulary a resumed run must reuse
-MAX_BATCH_SIZE, MAX_SEQ_LEN = 1 << 20, 1 << 16  # sanity bounds on --batch-size, --seq-len
+MAX_BATCH_SIZE, MAX_SEQ_LEN = 1 << 20, 1 << 16  # sanity bounds on batch_size, seq_len
 
 
 def check_upper_bounds(batch_size: int, seq_len: int) -> None:
-    """Refuse a --batch-size or --seq-len past any model here, before the corpus is read.
+    """Refuse a batch_size or seq_len past any model here, before the corpus is read.
 
     A batch of 1e20 examples or such a sequence length overflowed deep in numpy and itertools.
     """
     for name, value, high in (
-        ("--batch-size", batch_size, MAX_BATCH_SIZE),
-        ("--seq-len", seq_len, MAX_SEQ_LEN),
+        ("batch_size", batch_size, MAX_BATCH_SIZE),
+        ("seq_len", seq_len, MAX_SEQ_LEN),
     ):
         if value > high:
-            raise AttnlabError(f"{name} must be at most {high}")
+            raise AttnlabError(f"{name} must be at most {high}", options=(name,))
 
 
 def bundled_corpus() -> Path:
@@ -108,7 +109,8 @@ class PretrainingBatches:
     ) -> None:
         if batch_size % grad_accum:
             raise AttnlabError(
-                f"--batch-size {batch_size} must be divisible by --grad-accum {grad_accum}"
+                f"batch_size {batch_size} must be divisible by grad_accum {grad_accum}",
+                options=("batch_size", "grad_accum"),
             )
         self.builder, self.collator = builder, collator
         self.batch_size, self.grad_accum = batch_size, grad_accum
@@ -120,8 +122,9 @@ class PretrainingBatches:
         """Take this rank's rows of every micro-batch."""
         if (self.batch_size // self.grad_accum) % world_size:
             raise AttnlabError(
-                f"--batch-size {self.batch_size} / --grad-accum {self.grad_accum} must be "
-                f"divisible by the {world_size} processes"
+                f"batch_size {self.batch_size} / grad_accum {self.grad_accum} must be "
+                f"divisible by the {world_size} processes",
+                options=("batch_size", "grad_accum"),
             )
         self.rank, self.world_size = rank, world_size
 
@@ -170,8 +173,9 @@ class PretrainingBatches:
                     yield batch
             if not produced and self.position == 0:
                 raise AttnlabError(
-                    f"the corpus yields fewer than --batch-size {self.batch_size} examples "
-                    "per epoch: use a smaller batch or more text"
+                    f"the corpus yields fewer than batch_size {self.batch_size} examples "
+                    "per epoch: use a smaller batch or more text",
+                    options=("batch_size",),
                 )
             self.epoch, self.position = self.epoch + 1, 0
 
@@ -263,8 +267,9 @@ class PretrainOptions(RunOptions):
             )
         if self.vocab_size is not None and (self.init is not None or self.tokenizer is not None):
             raise AttnlabError(  # it would be ignored in silence
-                "--vocab-size sizes a vocabulary trained on the corpus; --init and --tokenizer "
-                "bring their own: drop it"
+                "vocab_size sizes a vocabulary trained on the corpus; init and tokenizer "
+                "bring their own: drop it",
+                options=("vocab_size", "init", "tokenizer"),
             )
         for name in (
             "steps",
@@ -283,13 +288,14 @@ class PretrainOptions(RunOptions):
                 raise AttnlabError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.init is None and self.preset not in (None, *BertConfig.presets()):
             BertConfig.preset(self.preset)  # raises, naming the presets (before tokenizing)
-        shape = {"--preset": self.preset, "--position-encoding": self.position_encoding,
-                 "--embedding-size": self.embedding_size, "--dropout": self.dropout,
-                 "--share-layers": self.share_layers or None}  # fmt: skip
-        given = [flag for flag, value in shape.items() if value is not None]
+        shape = {"preset": self.preset, "position_encoding": self.position_encoding,
+                 "embedding_size": self.embedding_size, "dropout": self.dropout,
+                 "share_layers": self.share_layers or None}  # fmt: skip
+        given = [name for name, value in shape.items() if value is not None]
         if self.init is not None and given:  # they would be ignored in silence
             raise AttnlabError(
-                f"--init takes the model's shape from its checkpoint: drop {', '.join(given)}"
+                f"init takes the model's shape from its checkpoint: drop {', '.join(given)}",
+                options=("init", *given),
             )
 
 
@@ -302,8 +308,9 @@ def check_out_dir(opts: PretrainOptions) -> None:
     if not (opts.resume or opts.overwrite) and [p.name for p in contents(out)] == [TOKENIZER_DIR]:
         # what an earlier start that failed (out of memory, say) or was killed early leaves
         raise AttnlabError(
-            f"--out {out} holds only the vocabulary of a run stopped before its first "
-            "checkpoint: pass --resume or --overwrite to start it again"
+            f"out {out} holds only the vocabulary of a run stopped before its first "
+            "checkpoint: pass resume or overwrite to start it again",
+            options=("out", "resume", "overwrite"),
         )
     inputs = [*opts.corpus, opts.tokenizer, opts.init, opts.cache_dir]
     check_run_out(out, opts.resume, opts.overwrite, started, "pretraining", inputs)
@@ -315,8 +322,9 @@ def run_tokenizer(opts: PretrainOptions, files: list[Path]) -> BertTokenizer:
     if opts.resume and has_checkpoint(opts.out):  # saved before the run's first step
         if not saved.is_dir():
             raise AttnlabError(
-                f"--resume: {opts.out} holds no pretraining run (no {TOKENIZER_DIR}/ beside its "
-                "checkpoints): a run of another job cannot be continued here"
+                f"resume: {opts.out} holds no pretraining run (no {TOKENIZER_DIR}/ beside its "
+                "checkpoints): a run of another job cannot be continued here",
+                options=("resume",),
             )
         return BertTokenizer.from_dir(saved)
     if opts.tokenizer is not None:
@@ -345,8 +353,9 @@ def build_model(opts: PretrainOptions, tokenizer: BertTokenizer) -> BertForPreTr
         model = load_bert(opts.init, heads=True)
         if sentence_head and model.config.type_vocab_size < 2:  # segment B's id 1: no embedding
             raise AttnlabError(
-                f"--init {opts.init} has one token type (type_vocab_size 1): objective "
-                f"{opts.objective} needs two sentences told apart; use --objective mlm"
+                f"init {opts.init} has one token type (type_vocab_size 1): objective "
+                f"{opts.objective} needs two sentences told apart; use objective mlm",
+                options=("init", "objective"),
             )
         if sentence_head and model.nsp is None:  # a masked-LM-only checkpoint: add the head
             grown = BertForPreTraining(model.config, sentence_head=True)
@@ -363,11 +372,14 @@ def build_model(opts: PretrainOptions, tokenizer: BertTokenizer) -> BertForPreTr
                 file=sys.stderr,
             )
         if model.config.vocab_size < tokenizer.vocab_size:
-            raise AttnlabError("--init model's vocabulary is smaller than the tokenizer's")
+            raise AttnlabError(
+                "the init model's vocabulary is smaller than the tokenizer's", options=("init",)
+            )
         if model.config.max_positions < opts.seq_len:
             raise AttnlabError(
-                f"--seq-len {opts.seq_len} is above the model's max positions "
-                f"({model.config.max_positions})"
+                f"seq_len {opts.seq_len} is above the model's max positions "
+                f"({model.config.max_positions})",
+                options=("seq_len",),
             )
         if not sentence_head:  # a trained pooler may come without an NSP head: drop it too
             model.nsp, model.bert.pooler = None, None
@@ -384,7 +396,8 @@ def build_model(opts: PretrainOptions, tokenizer: BertTokenizer) -> BertForPreTr
         config = config.replace(dropout=opts.dropout, attention_dropout=opts.dropout)
     if opts.seq_len > config.max_positions:
         raise AttnlabError(
-            f"--seq-len {opts.seq_len} is above the model's max positions ({config.max_positions})"
+            f"seq_len {opts.seq_len} is above the model's max positions ({config.max_positions})",
+            options=("seq_len",),
         )
     return BertForPreTraining(config, sentence_head=sentence_head)
 
@@ -424,8 +437,9 @@ def prepare_data(
     )
     if sum(1 for _ in itertools.islice(builder.epoch(0), opts.batch_size)) < opts.batch_size:
         raise AttnlabError(
-            f"the corpus yields fewer than --batch-size {opts.batch_size} examples per epoch: "
-            "use a smaller batch or more text"
+            f"the corpus yields fewer than batch_size {opts.batch_size} examples per epoch: "
+            "use a smaller batch or more text",
+            options=("batch_size",),
         )
     batches = PretrainingBatches(
         builder, collator, opts.batch_size, opts.grad_accum, opts.seed, opts.static_masking
@@ -447,19 +461,39 @@ def prepare_data(
 
 
 @dataclass
-class PretrainJob(Job):
-    """A pretraining run's steps, in the order ``run_job`` calls them (tasks/job.py)."""
+class CorpusJob(Job):
+    """A job trained on masked batches of a corpus (pretrain, distill): what both hold.
 
-    opts: PretrainOptions
+    ``opts`` are the job's options, ``pretraining_options()`` their corpus, batch and masking
+    part; ``files`` the corpus files, ``config`` the trainer's.
+    """
+
+    opts: Any
     files: list[Path]
     config: TrainConfig
     tokenizer: BertTokenizer = field(init=False)
     data: PretrainingData = field(init=False)
-    model: BertForPreTraining = field(init=False)
+
+    def pretraining_options(self) -> PretrainOptions:
+        """The options that read the corpus and make its batches (pretraining's)."""
+        return self.opts
 
     def check_out(self) -> None:
-        """Refuse an --out that holds files or another run, unless resuming or overwriting."""
-        check_out_dir(self.opts)
+        """Refuse an out that holds files or another run, unless resuming or overwriting."""
+        check_out_dir(self.pretraining_options())
+
+    def _trainer(self, model: nn.Module, evaluate: Evaluate | None) -> Trainer:
+        """The shared trainer on the masked batches, with the training speed-ups swapped in."""
+        model, speedups = fast.for_training(model), fast.TrainingSpeedups()
+        return Trainer(model, self.data.batches, self.config, evaluate, speedups=speedups)
+
+
+@dataclass
+class PretrainJob(CorpusJob):
+    """A pretraining run's steps, in the order ``run_job`` calls them (tasks/job.py)."""
+
+    opts: PretrainOptions
+    model: BertForPreTraining = field(init=False)
 
     def prepare(self, world_size: int) -> None:
         """Make the vocabulary, tokenize and check the data, build the model (rank 0)."""
@@ -483,8 +517,7 @@ class PretrainJob(Job):
 
     def trainer(self) -> Trainer:
         """The shared trainer on the masked batches, scoring the held-out examples."""
-        model, speedups = fast.for_training(self.model), fast.TrainingSpeedups()
-        return Trainer(model, self.data.batches, self.config, self.data.evaluate, speedups=speedups)
+        return self._trainer(self.model, self.data.evaluate)
 
     def publish(self, trainer: Trainer, summary: dict[str, Any]) -> dict[str, Any]:
         """The trained model in --out, an HF checkpoint with its tokenizer."""

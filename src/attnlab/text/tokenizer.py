@@ -654,15 +654,7 @@ def train_wordpiece(
     characters, ties broken by code point) becomes a token of its own. The same corpus and
     settings give the same vocabulary in every process (see `_continuations`).
     """
-    paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
-    if not paths:
-        raise AttnlabError("train_wordpiece needs at least one corpus file")
-    for path in paths:
-        check_input_file(path, "corpus file")
-    _check_max_length(vocab_size, "vocab_size", minimum=len(SPECIAL_TOKENS) + 2)
-    if vocab_size > MAX_TRAINED_VOCAB:  # tokenizers allocates for it (and aborts when it cannot)
-        raise AttnlabError(f"--vocab-size must be at most {MAX_TRAINED_VOCAB:,}, got {vocab_size}")
-
+    paths = _wordpiece_inputs(files, vocab_size)
     backend = tokenizers.Tokenizer(
         models.WordPiece(unk_token=UNK, max_input_chars_per_word=MAX_INPUT_CHARS_PER_WORD)
     )
@@ -699,6 +691,22 @@ def train_wordpiece(
     rest = sorted(token for token in vocab if token not in SPECIAL_TOKENS)
     ordered = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *rest])}
     return BertTokenizer.from_vocab(ordered, lowercase=lowercase, strip_accents=strip_accents)
+
+
+def _wordpiece_inputs(files: list[str | Path] | str | Path, vocab_size: int) -> list[Path]:
+    """train_wordpiece's corpus files, each checked readable, once vocab_size is in range."""
+    paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
+    if not paths:
+        raise AttnlabError("train_wordpiece needs at least one corpus file")
+    for path in paths:
+        check_input_file(path, "corpus file")
+    _check_max_length(vocab_size, "vocab_size", minimum=len(SPECIAL_TOKENS) + 2)
+    if vocab_size > MAX_TRAINED_VOCAB:  # tokenizers allocates for it (and aborts when it cannot)
+        raise AttnlabError(
+            f"vocab_size must be at most {MAX_TRAINED_VOCAB:,}, got {vocab_size}",
+            options=("vocab_size",),
+        )
+    return paths
 
 
 _PIECE_BYTES = 1 << 16  # a corpus line is read this many bytes at a time at most
