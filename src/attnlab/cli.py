@@ -918,11 +918,12 @@ def _add_distill(commands: _Commands) -> None:
     sub.add_argument("--teacher", help="teacher checkpoint directory (HF or attnlab BERT)")
     sub.add_argument("--student-layers", type=int, help="student = teacher with N layers")
     sub.add_argument("--student-preset", help="student = a fresh model of this size")
-    sub.add_argument("--temperature", type=float, help="softmax temperature T")
-    sub.add_argument("--alpha-ce", type=float, help="weight of the KL term")
-    sub.add_argument("--alpha-mlm", type=float, help="weight of the student's MLM loss")
-    sub.add_argument(
-        "--alpha-cos", type=float, help="weight of the cosine term (default 1; 0 if widths differ)"
+    _add_numbers(
+        sub,
+        ("--temperature", float, "softmax temperature T"),
+        ("--alpha-ce", float, "weight of the KL term"),
+        ("--alpha-mlm", float, "weight of the student's MLM loss"),
+        ("--alpha-cos", float, "weight of the cosine term (default 1; 0 if widths differ)"),
     )
 
 
