@@ -202,6 +202,22 @@ class _Window:
         self.tokens += tokens
 
 
+def _check_trainer_arguments(
+    batches: BatchSource, config: TrainConfig, evaluate: Evaluate | None, on_best: OnBest | None
+) -> None:
+    """Refuse Trainer arguments that do not go together, or batches that are no BatchSource."""
+    if config.best_metric is not None and evaluate is None:
+        raise AttnlabError("train: best_metric needs an evaluate function")
+    if on_best is not None and config.best_metric is None:
+        raise AttnlabError("train: on_best needs a best_metric to compare evaluations by")
+    missing = [m for m in BATCH_SOURCE_METHODS if not callable(getattr(batches, m, None))]
+    if missing:
+        raise AttnlabError(
+            f"train: batches must be a BatchSource (attnlab.train.data), which a "
+            f"{type(batches).__name__} is not: it lacks {', '.join(missing)}"
+        )
+
+
 class Trainer:
     """Trains model on batches as config says; ``fit()`` runs (or resumes) the whole job.
 
@@ -234,18 +250,9 @@ class Trainer:
         on_best: OnBest | None = None,
         speedups: TrainerHooks | None = None,
     ) -> None:
+        _check_trainer_arguments(batches, config, evaluate, on_best)
         self.config = config
         self.speedups = speedups or TrainerHooks()
-        if config.best_metric is not None and evaluate is None:
-            raise AttnlabError("train: best_metric needs an evaluate function")
-        if on_best is not None and config.best_metric is None:
-            raise AttnlabError("train: on_best needs a best_metric to compare evaluations by")
-        missing = [m for m in BATCH_SOURCE_METHODS if not callable(getattr(batches, m, None))]
-        if missing:
-            raise AttnlabError(
-                f"train: batches must be a BatchSource (attnlab.train.data), which a "
-                f"{type(batches).__name__} is not: it lacks {', '.join(missing)}"
-            )
         self.rank, self.world_size, local_rank = init_distributed()
         self.is_main = self.rank == 0
         self.device = _resolve_device(config.device, local_rank)
