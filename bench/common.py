@@ -176,10 +176,13 @@ def set_malloc(choice: str) -> None:
     are such temporaries. 'default' leaves glibc as it comes and tells attnlab's trainer to
     leave it too (ATTNLAB_SPEEDUPS=-keep_freed_memory, inherited by child processes).
     """
+    from attnlab.fast.swap import TRAINING, chosen
     from attnlab.fast.training import keep_freed_memory
 
     if choice == "default":
         os.environ["ATTNLAB_SPEEDUPS"] = "-keep_freed_memory"
         return
+    if "keep_freed_memory" not in {s.name for s in chosen(TRAINING)}:
+        return  # ATTNLAB_SPEEDUPS leaves it out (bench/speedup_ab.py)
     if not keep_freed_memory():
         raise SystemExit("--malloc keep: needs glibc (Linux)")

@@ -2,7 +2,8 @@
 
 A random teacher of --preset and its student of every other layer (``student_from_teacher``,
 as ``attnlab distill --student-layers N/2``) take the trainer's step (forward, backward, clip,
-AdamW) on one synthetic masked batch (15% of positions, as ``bench/pretrain.py``). Prints one
+AdamW), with the training twins swapped in as the distill job does (``ATTNLAB_SPEEDUPS``
+selects them), on one synthetic masked batch (15% of positions, as ``bench/pretrain.py``). Prints one
 JSON line: seconds a step (mean of --steps after 2 warm-up steps), tokens/s, the last loss and
 the process's peak resident memory. To compare two versions of attnlab, run this alternately
 in fresh processes under each tree (``PYTHONPATH=<tree>/src``); the host's noise is larger
@@ -40,17 +41,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from attnlab.config import BertConfig
-    from attnlab.fast.training import keep_freed_memory
+    from attnlab.fast import for_training
     from attnlab.models.bert import BertForPreTraining
     from attnlab.tasks.distill import DistillationModel, student_from_teacher
     from attnlab.train.optim import build_optimizer
 
-    keep_freed_memory()  # as the trainer does
     torch.manual_seed(0)
     config = BertConfig.preset(args.preset)
     teacher = BertForPreTraining(config)
     student = student_from_teacher(teacher, config.n_layers // 2, None)
-    model = DistillationModel(teacher, student).train()
+    model = for_training(DistillationModel(teacher, student).train())  # as the distill job
     step = training_step(model, build_optimizer(model.student, lr=1e-4), args.precision)
     batch = synthetic_batch(config.vocab_size, args.batch_size, args.seq_len)
     del batch["nsp_labels"]  # the student has no sentence head

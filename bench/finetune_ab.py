@@ -5,7 +5,9 @@ the recipe of bench/finetune.py (batch 32, max length 128, lr 3e-5, 2 threads by
 and times its trainer from the first logged step to the last (so start-up and the first 10
 steps are not counted). Runs alternate A, B, A, B, ... so a drift in the machine's speed
 falls on both sides; the loss and gradient norm of each run are printed too, so a change
-meant to keep the numbers shows that it did.
+meant to keep the numbers shows that it did. The model runs with the speed-ups the
+fine-tuning job uses (``ATTNLAB_SPEEDUPS`` selects them; ``--one-run`` alone is the child
+that bench/speedup_ab.py times).
 
 Usage: python bench/finetune_ab.py --a SRC_DIR --b SRC_DIR [--pairs 4] [--sentences 2240]
        [--threads 2]
@@ -33,6 +35,7 @@ def one_run(sentences: int, threads: int) -> dict:
     sys.path.insert(0, str(HERE))
     from finetune import BATCH, MAX_LENGTH, WARMUP, minilm_dir, read_sst2
 
+    from attnlab import fast
     from attnlab.tasks.finetune import FinetuneOptions, prepare
     from attnlab.train.trainer import Trainer
 
@@ -48,7 +51,8 @@ def one_run(sentences: int, threads: int) -> dict:
             text_column="sentence", save_every=0, progress=False, log_every=10,
         )  # fmt: skip
         run = prepare(opts)
-        trainer = Trainer(run.model, run.batches, run.train_config)
+        model, speedups = fast.for_training(run.model), fast.TrainingSpeedups()  # as the job
+        trainer = Trainer(model, run.batches, run.train_config, speedups=speedups)
         trainer.fit()
         logged = trainer.log.rows
     return {
