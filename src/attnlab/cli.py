@@ -7,6 +7,7 @@ OSError (a path through a file, a full disk, no permission) and running out of m
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import re
 import signal
@@ -683,6 +684,7 @@ def cmd_translate_score(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------- parser
 
 _Commands = argparse._SubParsersAction  # what add_subparsers returns
+COMMAND_FAMILIES = ("ablate", "attention", "serve", "lm")  # modules of attnlab/commands/
 _TASKS = ("classify", "regress", "ner", "qa")
 _PRETRAIN = "attnlab.tasks.pretrain.PretrainOptions"
 _DISTILL = "attnlab.tasks.distill.DistillOptions"
@@ -1094,7 +1096,7 @@ def _add_tokenizer_commands(commands: _Commands) -> _Commands:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every attnlab command."""
-    parser = _Parser(prog="attnlab", description="Transformer and BERT toolkit.")
+    parser = _Parser(prog="attnlab", description="Transformer, BERT and GPT toolkit.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_info_and_tokenize(commands)
     _add_embed_and_export(commands)
@@ -1103,12 +1105,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_finetune(commands)
     _add_evaluate_and_predict(commands)
     _add_translate_commands(commands)
-    from attnlab.commands import ablate
-
-    ablate.add_commands(commands)
-    __import__("attnlab.commands.attention", fromlist=["*"]).add_commands(commands)
-    __import__("attnlab.commands.serve", fromlist=["*"]).add_commands(commands)
-    __import__("attnlab.commands.lm", fromlist=["*"]).add_commands(commands)
+    for family in COMMAND_FAMILIES:  # the newer command families, one module each
+        importlib.import_module(f"attnlab.commands.{family}").add_commands(commands)
     tok_commands = _add_tokenizer_commands(commands)
     for group in (commands, tok_commands):
         # A missing command is named by its choices, as usage shows them, not by its dest
