@@ -557,9 +557,34 @@ def test_sigterm_drains_in_flight_requests(folders):
         socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
 
 
+def test_limit_flags_are_enforced(folders):
+    """Lowered --max-* flags: each request past one is refused with 413 naming its limit,
+    and requests within them are answered."""
+    server = Served(folders["bert"], "--max-items", "2", "--max-text-chars", "12",
+                    "--max-body-bytes", "300", "--max-top-k", "2")  # fmt: skip
+    try:
+        refused = [
+            ("/v1/embeddings", {"input": ["a", "b", "c"]}, "max_items"),
+            ("/v1/embeddings", {"input": "x" * 13}, "max_text_chars"),
+            ("/v1/embeddings", {"input": ["x"], "model": "m" * 300}, "max_body_bytes"),
+            ("/v1/fill-mask", {"input": "a [MASK]", "top_k": 3}, "max_top_k"),
+        ]
+        for path, body, limit in refused:
+            status, answer = server.post(path, body)
+            assert status == 413 and answer["error"]["limit"] == limit, answer
+            assert limit in answer["error"]["message"]
+        status, answer = server.post("/v1/embeddings", {"input": ["a", "x" * 12]})
+        assert status == 200 and len(answer["data"]) == 2
+        assert server.post("/v1/fill-mask", {"input": "a [MASK]", "top_k": 2})[0] == 200
+    finally:
+        assert server.stop() == 0
+
+
 def test_cli_refuses_bad_settings(folders, capsys):
     assert cli.main(["serve", "--model", str(folders["bert"]), "--max-queue", "0"]) == 2
     assert "--max-queue" in capsys.readouterr().err
+    assert cli.main(["serve", "--model", str(folders["bert"]), "--max-items", "0"]) == 2
+    assert "--max-items" in capsys.readouterr().err
     assert cli.main(["serve", "--model", str(folders["bert"]) + "-missing"]) == 2
     assert "not found" in capsys.readouterr().err
 

@@ -1,11 +1,15 @@
 """Dynamic batching: concurrent requests gathered into length-sorted batches, run in one thread.
 
 Each request is a ``Job``: its items (one text each) and a key naming what can share a model
-call (the endpoint and its options). One worker thread waits until the jobs queued under the
-oldest job's key hold ``max_batch_tokens`` tokens, or the oldest has waited ``max_wait_ms``,
-then runs them as one batch, longest item first, and answers each job on the event loop. The
-model never runs on the event loop, so the server keeps accepting and refusing requests while
-it computes. A job withdrawn before its batch starts (its client went away) frees its slot.
+call (the endpoint and its options). One worker thread runs the jobs: as soon as it is free and
+a job waits, it takes the oldest job and the queued jobs of the same key that fit in
+``max_batch_tokens`` and runs them as one batch, longest item first. Jobs that arrive while a
+batch runs gather in the queue for the next one, so batches grow with the load and a lone
+request never waits for company. ``max_wait_ms`` (default 0) makes the worker also hold the
+oldest job up to that long for its batch to fill, trading latency for larger batches. Each
+job is answered on the event loop; the model never runs there, so the server keeps accepting
+and refusing requests while it computes. A job withdrawn before its batch starts (its client
+went away) frees its slot.
 """
 
 from __future__ import annotations
@@ -19,9 +23,29 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from attnlab.errors import AttnlabError
+
 log = logging.getLogger("attnlab.serve")
 
 RunBatch = Callable[[Hashable, list[Any]], list[Any]]  # (key, items) -> one result per item
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """How requests are gathered into batches (the CLI's --max-batch-tokens and the rest)."""
+
+    max_batch_tokens: int = 4096
+    max_wait_ms: float = 0.0  # 0: a batch starts as soon as the worker is free
+    max_queue: int = 256
+
+    def __post_init__(self) -> None:
+        """Refuse settings that could never run a batch."""
+        if self.max_batch_tokens < 1:
+            raise AttnlabError("max_batch_tokens must be at least 1", options=("max_batch_tokens",))
+        if not 0 <= self.max_wait_ms <= 60_000:  # NaN fails too
+            raise AttnlabError("max_wait_ms must be from 0 to 60000", options=("max_wait_ms",))
+        if self.max_queue < 1:
+            raise AttnlabError("max_queue must be at least 1", options=("max_queue",))
 
 
 class QueueFull(Exception):
@@ -150,7 +174,8 @@ class Batcher:
             self._run_batch(jobs)
 
     def _next_batch(self) -> list[Job]:
-        """Wait for a full batch or the oldest job's deadline; [] when stopping with none left."""
+        """The next batch once a job waits (held up to max_wait for a full batch when that is
+        above 0); [] when stopping with none left."""
         with self._ready:
             while True:
                 if not self._queue:
