@@ -497,6 +497,43 @@ def test_full_queue_503_and_disconnect_frees_the_slot(translator):
     assert re.search(r"^attnlab_client_disconnects_total 1\.0$", metrics, re.MULTILINE)
 
 
+def test_a_free_worker_starts_at_once_and_requests_gather_while_it_runs():
+    """Default settings: the first request runs alone; those queued while its batch
+    runs are answered together by the next batch, each with its own results."""
+    import asyncio
+
+    from attnlab.serve.batching import Batcher, BatchSettings
+
+    started, release, batches = threading.Event(), threading.Event(), []
+
+    def run(key, items):
+        batches.append(list(items))
+        if len(batches) == 1:
+            started.set()
+            release.wait(30)
+        return [item.upper() for item in items]
+
+    settings = BatchSettings()
+    batcher = Batcher(run, settings.max_batch_tokens, settings.max_wait_ms, settings.max_queue)
+
+    async def clients() -> list[list[str]]:
+        batcher.start()
+        first = asyncio.ensure_future(batcher.submit("k", ["a"], [1]))
+        assert await asyncio.to_thread(started.wait, 30)  # alone: nothing else was queued
+        later = [asyncio.ensure_future(batcher.submit("k", [t], [1])) for t in ("b", "c")]
+        while batcher.queue_length() < 2:
+            await asyncio.sleep(0.01)
+        release.set()
+        return await asyncio.gather(first, *later)
+
+    try:
+        assert asyncio.run(clients()) == [["A"], ["B"], ["C"]]
+    finally:
+        release.set()
+        batcher.stop()
+    assert batches == [["a"], ["b", "c"]]
+
+
 def test_load_16_concurrent_clients(bert, folders):
     """16 clients for about 3 s: no errors, every answer equal to the offline embedding."""
     from attnlab.interop.hf import load_bert
