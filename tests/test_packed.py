@@ -188,3 +188,21 @@ def test_packs_do_not_outlive_an_inference_block() -> None:
                 torch.testing.assert_close(head(h), want, rtol=1e-5, atol=1e-5)
         head(h).square().sum().backward()
         optimizer.step()
+
+
+def test_a_served_model_packs_once_for_every_job() -> None:
+    # fast.for_serving: each job's own inference_twins keeps the packs (the weights are frozen).
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    x = torch.randn(4, 6)
+    with torch.inference_mode():
+        want = F.linear(
+            F.relu(F.linear(x, model[0].weight, model[0].bias)), model[2].weight, model[2].bias
+        )
+        fast.for_serving(model, "packed")
+        packs = []
+        for _ in range(2):
+            with fast.inference_twins(model, "packed"):
+                torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+                packs.append(model[0].__dict__["_packed"][1])
+    assert packs[0] is packs[1] and type(model[0]) is PackedLinear
+    assert not any(p.requires_grad for p in model.parameters())

@@ -17,6 +17,7 @@ from torch import nn
 from attnlab.fast.route import describe_route, route_line
 from attnlab.fast.swap import (
     INFERENCE,
+    KEEP_STATE,
     TRAINING,
     Speedup,
     chosen,
@@ -36,6 +37,16 @@ def for_training(model: nn.Module, names: str | None = None) -> nn.Module:
 def for_inference(model: nn.Module, names: str | None = None) -> nn.Module:
     """The model (same object) with the inference twins that apply here swapped in."""
     return swap(model, chosen(INFERENCE, names))
+
+
+def for_serving(model: nn.Module, names: str | None = None) -> nn.Module:
+    """The model (same object) frozen, with its inference twins for good: each job's own
+    inference_twins then keeps the state they build (weights packed once, not per call)."""
+    model.requires_grad_(False)
+    swap(model, chosen(INFERENCE, names))
+    for module in model.modules():
+        module.__dict__[KEEP_STATE] = True
+    return model
 
 
 @contextmanager
@@ -68,6 +79,7 @@ __all__ = [
     "chosen",
     "describe_route",
     "for_inference",
+    "for_serving",
     "for_training",
     "inference_twins",
     "registry",

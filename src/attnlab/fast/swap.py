@@ -81,8 +81,14 @@ def _plain_class(cls: type) -> type:
     return cls
 
 
+KEEP_STATE = "_attnlab_keep_state"  # set by fast.for_serving: the weights never change
+
+
 def _set_class(module: nn.Module, cls: type) -> None:
-    """Give module the class cls, first dropping the state its twin class built."""
+    """Give module the class cls, first dropping the state its twin class built (kept where
+    the class stays and fast.for_serving froze the model: its packs outlive every job)."""
+    if type(module) is cls and module.__dict__.get(KEEP_STATE, False):
+        return
     for name in getattr(type(module), "fast_state", ()):
         module.__dict__.pop(name, None)
     module.__class__ = cls

@@ -14,6 +14,7 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
+from attnlab import fast
 from attnlab.errors import AttnlabError
 
 
@@ -36,7 +37,9 @@ class EncoderModel:
         self.tokenizer = BertTokenizer.from_dir(model_dir)
         check_vocabulary(model_dir, self.tokenizer.vocab_size, config)
         self.has_mlm = any(n.startswith("cls.predictions") for n in weight_names(model_dir))
-        self.model = load_bert(model_dir, heads=self.has_mlm, trained_heads=self.has_mlm)
+        self.model = fast.for_serving(
+            load_bert(model_dir, heads=self.has_mlm, trained_heads=self.has_mlm)
+        )
         self.pooling = pooling
         self.max_positions = config.max_positions
         # As `attnlab embed`: a sentence-transformers folder's own length, else the model's.
@@ -73,7 +76,7 @@ class TaskModel:
         from attnlab.tasks.finetune.inference import load_finetuned
 
         self.loaded = load_finetuned(model_dir)
-        self.model = self.loaded.model
+        self.model = fast.for_serving(self.loaded.model)
         self.task = self.loaded.task.name
         self.tokenizer = self.loaded.tokenizer
         self.max_length = self.loaded.settings.max_length
@@ -105,6 +108,7 @@ class TranslationModel:
         from attnlab.tasks.translate import load_translation_model
 
         self.model, self.tokenizer = load_translation_model(model_dir)
+        fast.for_serving(self.model)
         self.max_length = self.model.config.max_positions
 
     def endpoints(self) -> list[str]:
@@ -134,6 +138,7 @@ class LanguageModel:
         from attnlab.tasks.lm import load_lm
 
         self.model, self.tokenizer = load_lm(model_dir)
+        fast.for_serving(self.model)
         self.max_length = self.model.config.max_positions
 
     def endpoints(self) -> list[str]:
