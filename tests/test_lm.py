@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -237,13 +238,17 @@ def _torchrun(args: list[str], nodes: int = 1, rank: int = 0, port: int = 0) -> 
     return [*launch, str(RUNNER), *args]
 
 
-def _same_training(one: Path, two: Path) -> None:
+def _same_weights(one: Path, two: Path) -> None:
     from safetensors.torch import load_file
 
     a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
     assert a.keys() == b.keys()
     for name in a:
         assert torch.allclose(a[name], b[name], atol=1e-5), name
+
+
+def _same_training(one: Path, two: Path) -> None:
+    _same_weights(one, two)
     losses = [[r["loss"] for r in rows(out) if not r.get("eval")] for out in (one, two)]
     assert losses[0] == pytest.approx(losses[1], abs=1e-4)
 
@@ -270,6 +275,56 @@ def test_two_processes_and_two_loopback_nodes_equal_one_process(lm, corpus, tiny
         _, errors = launch.communicate(timeout=300)
         assert launch.returncode == 0, errors[-3000:]
     _same_training(one, nodes)
+
+
+def test_lm_train_refuses_an_unknown_strategy(lm, corpus, tmp_path, capsys):
+    opts = lm.LMOptions(out=tmp_path / "x", corpus=[corpus], strategy="zero3")
+    with pytest.raises(AttnlabError, match=r"^strategy must be one of ddp, fsdp, got 'zero3'$"):
+        opts.validate()
+    args = ["lm", "train", "--corpus", str(corpus), "--out", str(tmp_path / "y")]
+    assert main([*args, "--strategy", "zero3"]) == 2
+    assert "argument --strategy: invalid choice: 'zero3'" in capsys.readouterr().err
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_fsdp_trains_as_ddp_writes_its_checkpoints_and_resumes(corpus, tiny_config, tmp_path):
+    """torchrun, 2 CPU processes: --strategy fsdp (torch's fully_shard) = DDP, the reference,
+    in losses, gradient norms, held-out scores, weights and checkpoint files; a run resumed
+    from its middle checkpoint ends as the uninterrupted one."""
+    extra = ("--steps", 4, "--save-every", 2, "--eval-every", 2, "--log-every", 1,
+             "--grad-accum", 2, "--keep-last", 0)  # fmt: skip
+    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
+    _run(_torchrun(train_args(corpus, ddp, tiny_config, *extra)))
+    _run(_torchrun(train_args(corpus, fsdp, tiny_config, *extra, "--strategy", "fsdp")))
+    _same_training(ddp, fsdp)
+    for key in ("grad_norm", "valid_loss"):
+        ours, reference = ([r[key] for r in rows(out) if key in r] for out in (fsdp, ddp))
+        assert len(ours) >= 2 and ours == pytest.approx(reference, rel=1e-4), key
+    steps = [ddp / "checkpoints" / "step-2", fsdp / "checkpoints" / "step-2"]
+    _same_weights(*steps)  # the same model.safetensors (full tensors) ...
+    states = [torch.load(step / "trainer.pt", weights_only=True)["optimizer"] for step in steps]
+    assert [g["params"] for g in states[0]["param_groups"]] == [
+        g["params"] for g in states[1]["param_groups"]
+    ]  # ... and optimizer.state_dict(), parameters by number
+    assert states[0]["state"].keys() == states[1]["state"].keys()
+    for number, reference in states[0]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(states[1]["state"][number][name], reference[name], atol=1e-6)
+    from safetensors.torch import load_file
+
+    whole = fsdp / "model.safetensors"
+    first = {k: v.clone() for k, v in load_file(str(whole)).items()}
+    shutil.rmtree(fsdp / "checkpoints" / "step-4")  # resumed from step 2
+    _run(_torchrun(train_args(corpus, fsdp, tiny_config, *extra, "--strategy", "fsdp", "--resume")))
+    resumed = load_file(str(whole))
+    assert all(torch.equal(resumed[name], first[name]) for name in first)
+    assert [r["step"] for r in rows(fsdp) if not r.get("eval")] == [1, 2, 3, 4]
 
 
 # ---------------------------------------------------------------------------- lm eval

@@ -818,6 +818,15 @@ def test_a_corrupt_checkpoint_is_named_and_nothing_is_overwritten(
     assert _snapshot(out) == before
 
 
+def test_a_strategy_other_than_ddp_or_fsdp_is_refused(tmp_path: Path) -> None:
+    refused = r"^train: strategy must be one of \['ddp', 'fsdp'\], got 'zero3'$"
+    with pytest.raises(AttnlabError, match=refused):
+        TrainConfig(out_dir=tmp_path, steps=1, strategy="zero3")
+    with pytest.raises(AttnlabError, match=r"^train: strategy fsdp does not combine with compile$"):
+        TrainConfig(out_dir=tmp_path, steps=1, strategy="fsdp", compile=True)
+    assert TrainConfig(out_dir=tmp_path, steps=1, strategy="fsdp").strategy == "fsdp"
+
+
 def test_an_existing_run_needs_resume_or_overwrite(tmp_path: Path) -> None:
     out = tmp_path / "run"
     train(out, steps=2, save_every=2, eval_every=0)

@@ -56,6 +56,9 @@ def _add_train(actions: argparse._SubParsersAction) -> None:
     sub.add_argument("--cache-dir", help="where tokenized corpora are cached")
     sub.add_argument("--compile", action="store_true", default=None,
                      help="torch.compile the forward pass")  # fmt: skip
+    sub.add_argument("--strategy", choices=("ddp", "fsdp"),
+                     help="under torchrun: ddp replicates the model on each process (default), "
+                          "fsdp shards weights, gradients and optimiser state over them")  # fmt: skip
 
 
 def _add_eval(actions: argparse._SubParsersAction) -> None:

@@ -52,7 +52,7 @@ from attnlab.text.token_stream import (
     held_out_split,
     text_chunks,
 )
-from attnlab.train.config import RunOptions
+from attnlab.train.config import STRATEGIES, RunOptions
 from attnlab.train.optim import build_optimizer
 from attnlab.train.trainer import TrainConfig, Trainer, check_run_out, has_checkpoint, holds_run
 
@@ -89,6 +89,7 @@ class LMOptions(RunOptions):
     save_every: int | None = 500
     cache_dir: Path | None = None
     compile: bool = False
+    strategy: str = "ddp"  # under torchrun: "ddp" or "fsdp" (TrainConfig.strategy)
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -115,6 +116,14 @@ class LMOptions(RunOptions):
                 raise AttnlabError(f"{name} must be >= 0", options=(name,))
         if self.max_minutes is not None and not 0 < self.max_minutes < math.inf:
             raise AttnlabError("max_minutes must be a number > 0", options=("max_minutes",))
+        if self.strategy not in STRATEGIES:
+            raise AttnlabError(
+                f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}",
+                options=("strategy",),
+            )
+        if self.strategy == "fsdp" and self.compile:
+            raise AttnlabError("strategy fsdp does not combine with compile",
+                               options=("strategy", "compile"))  # fmt: skip
         if self.dropout is not None and not 0 <= self.dropout < 1:
             raise AttnlabError("dropout must be from 0 to below 1", options=("dropout",))
         if self.vocab_size is not None and self.tokenizer not in (None, BYTE_BPE):
@@ -344,6 +353,7 @@ def trainer_config(opts: LMOptions, plan: RunPlan) -> TrainConfig:
         clip_norm=opts.clip_norm or None,
         precision=opts.precision,
         compile=opts.compile,
+        strategy=opts.strategy,
         seed=opts.seed,
         log_every=opts.log_every,
         eval_every=opts.eval_every or 0,
@@ -453,7 +463,12 @@ class LMJob(Job):
         from attnlab.interop.gpt2 import save_gpt
 
         stage = self.opts.out / "final.tmp"
-        model = fast.to_plain(self.model).eval()
+        model = self.model
+        if trainer.full_weights is not None:  # --strategy fsdp: self.model holds shards
+            whole = NextTokenLoss(GPT(self.model.config))
+            whole.load_state_dict(trainer.full_weights)
+            model = whole.model
+        model = fast.to_plain(model).eval()
         save_gpt(model, stage, self.tokenizer, overwrite=True, eos_id=self.tokenizer.eos_id)
         publish(stage, self.opts.out)
         return {**summary, "planned_steps": self.plan.steps, "warmup": self.plan.warmup}

@@ -19,14 +19,15 @@ import random
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_model, save_model
-from torch import nn
+from safetensors.torch import load_model, save_file, save_model
+from torch import Tensor, nn
 
 from attnlab.errors import AttnlabError
 from attnlab.io import raise_for_target, raise_library_write_error
@@ -35,6 +36,7 @@ MODEL_FILE = "model.safetensors"
 STATE_FILE = "trainer.pt"
 COMPLETE_MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"step-(\d+)")
+LoadWeights = Callable[[nn.Module, Path], list[str]]  # (model, model.safetensors) -> missing names
 
 
 def capture_rng(device: torch.device) -> dict[str, Any]:
@@ -111,8 +113,18 @@ def _discard(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def save_checkpoint(root: Path, step: int, model: nn.Module, state: dict[str, Any]) -> Path:
-    """Write model and trainer state as root/step-<step>, atomically; returns its path."""
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    state: dict[str, Any],
+    weights: dict[str, Tensor] | None = None,
+) -> Path:
+    """Write model and trainer state as root/step-<step>, atomically; returns its path.
+
+    ``weights``: the model's state dict of full tensors where the model itself holds shards
+    (train/sharding.py), written as save_model writes the model's own.
+    """
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     tmp = root / f".step-{step}.{uuid.uuid4().hex}.tmp"
@@ -120,7 +132,12 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, state: dict[str, An
     try:
         # save_model (not save_file) drops the duplicate names of tied tensors, e.g. BERT's
         # MLM decoder sharing the word embeddings, and load_model re-ties them.
-        save_model(model, str(tmp / MODEL_FILE))
+        if weights is None:
+            save_model(model, str(tmp / MODEL_FILE))
+        else:
+            tied = tied_names(model)
+            kept = {k: v.contiguous() for k, v in weights.items() if k not in tied}
+            save_file(kept, str(tmp / MODEL_FILE), metadata=tied or None)
         # safetensors creates the file 0600; give it the umask's mode, as the directory has.
         os.chmod(tmp / MODEL_FILE, tmp.stat().st_mode & 0o666)
         torch.save(state, tmp / STATE_FILE)
@@ -137,6 +154,21 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, state: dict[str, An
         raise_library_write_error(final, err)
         raise
     return final
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """{name: the name stored in its place} for each state-dict name that shares another's tensor.
+
+    As safetensors' save_model chooses: of the names of one tensor, the first in sorted order.
+    """
+    names: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+    tied = {}
+    for group in names.values():
+        first, *others = sorted(group)
+        tied.update(dict.fromkeys(others, first))
+    return tied
 
 
 def prune_checkpoints(root: Path, keep_last: int) -> None:
@@ -159,11 +191,15 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def read_checkpoint(path: Path, model: nn.Module) -> dict[str, Any]:
+def read_checkpoint(
+    path: Path, model: nn.Module, load_weights: LoadWeights | None = None
+) -> dict[str, Any]:
     """Load the weights of checkpoint path into model and return its trainer state.
 
     A damaged checkpoint and one of another model (a run resumed with other settings) get
     different errors: the first is deleted to fall back to the one before, the second is fine.
+    ``load_weights(model, file)`` loads model.safetensors and returns the names it lacked
+    (default: safetensors' load_model; a sharded model has its own, train/sharding.py).
     """
     try:
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
@@ -179,10 +215,7 @@ def read_checkpoint(path: Path, model: nn.Module) -> dict[str, Any]:
     other += [name for name in saved if name not in ours]
     if not other:
         try:
-            # strict=False: tied weights are stored once, and load_model reports what is missing
-            missing, _ = load_model(model, str(path / MODEL_FILE), strict=False,
-                                    device=str(_device_of(model)))  # fmt: skip
-            other = sorted(missing)
+            other = sorted((load_weights or _load_model)(model, path / MODEL_FILE))
         except Exception as exc:
             raise _unreadable(path, exc) from exc
     if other:
@@ -193,6 +226,12 @@ def read_checkpoint(path: Path, model: nn.Module) -> dict[str, Any]:
             options=("overwrite",),
         )
     return state
+
+
+def _load_model(model: nn.Module, file: Path) -> list[str]:
+    # strict=False: tied weights are stored once, and load_model reports what is missing
+    missing, _ = load_model(model, str(file), strict=False, device=str(_device_of(model)))
+    return list(missing)
 
 
 def _unreadable(path: Path, exc: BaseException) -> AttnlabError:

@@ -17,6 +17,7 @@ from attnlab.errors import AttnlabError
 from attnlab.train.optim import OPTIMIZER_DEFAULTS, SCHEDULES
 
 PRECISIONS = ("fp32", "bf16")
+STRATEGIES = ("ddp", "fsdp")  # data parallelism under torchrun: replicated or sharded
 MAX_GRAD_ACCUM = 1 << 16  # micro-batches a step: more would not finish a step in a run
 
 
@@ -64,6 +65,9 @@ class TrainConfig:
     warmup_share: float | None = None  # None: warmup as given, whatever the time limit
     eval_at_start: bool = False
     compile: bool = False  # torch.compile the forward pass (pays off on GPUs; measure on CPU)
+    # Under torchrun: "ddp" replicates the model on every process, "fsdp" shards parameters,
+    # gradients and optimiser state over them (train/sharding.py); one process ignores it.
+    strategy: str = "ddp"
     # The job's own settings (data files, batch and model sizes) as plain values: recorded in
     # each checkpoint, so a resume with other ones is warned about.
     job: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -92,7 +96,7 @@ class TrainConfig:
             )
         check_seed(self.seed)
         choices = {"schedule": SCHEDULES, "optimizer": tuple(OPTIMIZER_DEFAULTS)}
-        choices["precision"] = PRECISIONS
+        choices["precision"], choices["strategy"] = PRECISIONS, STRATEGIES
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise AttnlabError(
@@ -108,6 +112,8 @@ class TrainConfig:
             raise AttnlabError("train: the inverse_sqrt schedule needs warmup >= 1")
         if self.resume and self.overwrite:
             raise AttnlabError("train: pass resume or overwrite, not both")
+        if self.strategy == "fsdp" and self.compile:  # not tried together: refused, not guessed
+            raise AttnlabError("train: strategy fsdp does not combine with compile")
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as primitives (for trainer.pt and logs)."""

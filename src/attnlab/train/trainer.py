@@ -38,6 +38,7 @@ from attnlab.io import (
     remove_leftovers,
     remove_trash_of,
 )
+from attnlab.train import sharding
 from attnlab.train.checkpoint import (
     capture_rng,
     latest_checkpoint,
@@ -229,8 +230,10 @@ class Trainer:
     evaluation that improves that metric, e.g. to keep the best dev model.
     ``optimizer`` / ``scheduler`` default to those the config names (AdamW decays the weights
     of 2-D and larger parameters but no biases: train/optim.py: decay_groups). Under torchrun the
-    model is wrapped in DistributedDataParallel and each rank reads its own shard of batches;
-    only rank 0 writes files or shows progress. While ``fit()`` runs, another run into
+    model is wrapped in DistributedDataParallel (or, with ``config.strategy`` "fsdp", sharded
+    over the ranks: train/sharding.py; the trainer then builds the optimiser itself and takes
+    no on_best) and each rank reads its own shard of batches; only rank 0 writes files or
+    shows progress. While ``fit()`` runs, another run into
     ``config.out_dir`` is refused (hold_run_out).
 
     ``speedups`` (train/hooks.py; the jobs pass fast/training.py's TrainingSpeedups) may change
@@ -262,23 +265,20 @@ class Trainer:
         self.evaluate = evaluate
         self.on_best = on_best
         self.best: dict[str, float] | None = None  # step and metrics of the best evaluation
+        # fsdp: self.model's parameters become shards (DTensors), before the optimiser takes them
+        self.sharded = self.world_size > 1 and config.strategy == "fsdp"
+        if self.sharded:
+            _check_sharded_arguments(optimizer, scheduler, on_best)
+            sharding.shard_model(self.model)
         self.optimizer = optimizer or build_optimizer(
             self.model, config.lr, config.weight_decay, config.betas, config.eps, config.optimizer
         )
         self.scheduler = scheduler or build_scheduler(
             config.schedule, self.optimizer, config.warmup, config.steps
         )
-        self.network: nn.Module = self.model  # what the forward pass runs: DDP or the model
-        if self.world_size > 1:
-            self.network = DistributedDataParallel(
-                self.model,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                find_unused_parameters=config.find_unused_parameters,
-            )
-        if config.compile:
-            # Compiled around DDP (not inside it) so DDP's gradient hooks still see every bucket;
-            # checkpoints keep reading self.model, whose parameter names compile leaves alone.
-            self.network = torch.compile(self.network)
+        self.network = self._network()  # what the forward pass runs
+        # Rank 0, after fit() under fsdp: the trained model's state dict of full tensors.
+        self.full_weights: dict[str, Tensor] | None = None
         self.step = 0
         self.tokens_seen = 0
         self.checkpoint_root = config.out_dir / CHECKPOINT_DIR
@@ -292,6 +292,21 @@ class Trainer:
         self.last_train: dict[str, Any] = {}
         self.last_eval: dict[str, float] = {}
         self.last_checkpoint: Path | None = None
+
+    def _network(self) -> nn.Module:
+        """The model under DDP (torchrun, strategy ddp), else itself (fsdp shards it in place)."""
+        network = self.model
+        if self.world_size > 1 and not self.sharded:
+            network = DistributedDataParallel(
+                self.model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                find_unused_parameters=self.config.find_unused_parameters,
+            )
+        if self.config.compile:
+            # Compiled around DDP (not inside it) so DDP's gradient hooks still see every bucket;
+            # checkpoints keep reading self.model, whose parameter names compile leaves alone.
+            network = torch.compile(network)
+        return network
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -336,6 +351,8 @@ class Trainer:
                     self._after_step(bar, final=stop)
         finally:
             bar.close()
+        if self.sharded:  # whole again for the job to publish (rank 0)
+            self.full_weights = sharding.gather_weights(self.model)
         if self.is_main:
             plot_loss_curve(self.log.rows, cfg.out_dir / PLOT_FILE)
         wall = time.perf_counter() - self._started
@@ -440,9 +457,10 @@ class Trainer:
                 k: v.to(self.device, non_blocking=True) if isinstance(v, Tensor) else v
                 for k, v in batch.items()
             }
-            # DDP all-reduces gradients during backward; only the last micro-batch needs it.
+            # DDP all-reduces gradients during backward (FSDP reduce-scatters them); only the
+            # last micro-batch needs it.
             sync = micro == cfg.grad_accum - 1 or self.world_size == 1
-            with contextlib.nullcontext() if sync else self.network.no_sync():
+            with contextlib.nullcontext() if sync else self._no_sync():
                 with self._autocast():
                     out = self.network(**batch)
                 loss = _loss_of(out)
@@ -452,12 +470,18 @@ class Trainer:
                 values[key] = values[key] + value if key in values else value
         max_norm = cfg.clip_norm if cfg.clip_norm else math.inf
         self._last_lr = self.optimizer.param_groups[0]["lr"]  # the lr this step used
-        values["grad_norm"] = self.speedups.clipped_step(
-            self.optimizer, self.model.parameters(), max_norm
-        )
+        # The speed-ups read whole gradients: sharded ones take the plain step.
+        clipped_step = sharding.clipped_step if self.sharded else self.speedups.clipped_step
+        values["grad_norm"] = clipped_step(self.optimizer, self.model.parameters(), max_norm)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return values, tokens
+
+    def _no_sync(self) -> contextlib.AbstractContextManager:
+        if self.sharded:
+            return sharding.no_sync(self.model)
+        assert isinstance(self.network, DistributedDataParallel)
+        return self.network.no_sync()
 
     def _tokens_in(self, batch: Batch) -> int:
         counter = getattr(self.batches, "tokens_in", None)
@@ -502,9 +526,13 @@ class Trainer:
         return row
 
     def _run_evaluation(self) -> None:
-        """evaluate(model) on rank 0, logged as an eval row; RNG states are left as they were."""
+        """evaluate(model) on rank 0, logged as an eval row; RNG states are left as they were.
+
+        Under fsdp every rank runs it (each layer's forward gathers its shards from all ranks),
+        and rank 0 alone logs it.
+        """
         metrics: dict[str, float] = {}
-        if self.is_main:
+        if self.is_main or self.sharded:
             rng = capture_rng(self.device)
             self.model.eval()
             try:
@@ -513,6 +541,7 @@ class Trainer:
             finally:
                 self.model.train()
                 restore_rng(rng, self.device)
+        if self.is_main:
             improved = self._is_best(metrics)
             row = {"step": self.step, "eval": True, **metrics}
             self.log.append({**row, "best": True} if improved else row)
@@ -594,11 +623,15 @@ class Trainer:
         barrier()
 
     def _restore(self, path: Path) -> None:
-        state = read_checkpoint(path, self.model)
+        load = sharding.load_weights if self.sharded else None
+        state = read_checkpoint(path, self.model, load)
         try:
             if state["step"] > self.config.steps:
                 raise ValueError(f"it is at step {state['step']}, past steps={self.config.steps}")
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self.sharded:
+                sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             # Per-rank parts by rank; a different world size reuses them round-robin (the
             # resumed run is then no longer bit-identical, but it continues).
@@ -673,10 +706,14 @@ class Trainer:
         window = self._window
         sums = gather_objects({k: v.cpu() for k, v in sorted(window.sums.items())})  # by rank
         tokens = all_reduce_sum(torch.tensor([window.tokens], device=self.device)).item()
+        weights, optimizer = None, None  # fsdp: full tensors, gathered by every rank for rank 0
+        if self.sharded:
+            weights = sharding.gather_weights(self.model)
+            optimizer = sharding.gather_optimizer_state(self.model, self.optimizer)
         if self.is_main:
             state = {
                 "step": self.step,
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": optimizer if self.sharded else self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "data": data,
                 "rng": rng,
@@ -693,10 +730,26 @@ class Trainer:
                 "config": self.config.to_dict(),
             }
             self.last_checkpoint = save_checkpoint(
-                self.checkpoint_root, self.step, self.model, state
+                self.checkpoint_root, self.step, self.model, state, weights
             )
             prune_checkpoints(self.checkpoint_root, self.config.keep_last)
         barrier()
+
+
+def _check_sharded_arguments(
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    on_best: OnBest | None,
+) -> None:
+    """Refuse what strategy fsdp cannot take: an optimiser made before sharding holds the
+    parameters that sharding replaced, and on_best would get a model of shards."""
+    if optimizer is not None or scheduler is not None:
+        raise AttnlabError(
+            "train: strategy fsdp builds the optimizer and scheduler after sharding the model: "
+            "pass neither"
+        )
+    if on_best is not None:
+        raise AttnlabError("train: strategy fsdp takes no on_best (its model holds shards)")
 
 
 def _due(step: int, every: int) -> bool:
