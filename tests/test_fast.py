@@ -131,3 +131,26 @@ def test_transformer_twins_give_the_plain_loss_and_gradients(tie_output: bool) -
     torch.testing.assert_close(twin_loss, plain_loss, rtol=1e-5, atol=1e-6)
     for name, grad in plain.items():
         torch.testing.assert_close(twin[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+@pytest.mark.parametrize("use", ["training", "inference"])
+def test_sequence_classifier_twins_give_the_plain_logits_and_loss(pooling: str, use: str) -> None:
+    """[CLS] pooling computes only [CLS] in the last layer (kept_rows); mean pooling every row."""
+    from attnlab.models.heads import BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=90, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+    model = BertForSequenceClassification(config, 3, pooling=pooling).eval()
+    batch = pretraining_batch()
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    labels = torch.tensor([2, 0])
+    with torch.no_grad():
+        want = model(**inputs, labels=labels)
+    plain_classes = classes(model)
+    (fast.for_training if use == "training" else fast.for_inference)(model, "all")
+    assert classes(model) != plain_classes
+    with torch.no_grad():
+        got = model(**inputs, labels=labels)
+    for name in ("logits", "loss"):
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)

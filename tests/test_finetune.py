@@ -999,3 +999,93 @@ def test_defaults_fit_the_model_and_data_are_printed_and_used(tiny_dir, tmp_path
     assert (results["batches_per_epoch"], results["final"]["step"]) == (6, 12)
     rows = [json.loads(line) for line in (tmp_path / "given" / "metrics.jsonl").open()]
     assert rows[0]["lr"] == pytest.approx(2e-3)  # no warm-up: the first step at the peak
+
+
+# ---------------------------------------------------------------------------- pooling
+
+
+def pooling_choice(capsys, model: Path, out: Path, **given) -> tuple[str, bool, list[str]]:
+    """(the run's pooling, whether its encoder has no pooler, the printed pooling lines)."""
+    from attnlab.tasks.finetune import prepare
+
+    opts = FinetuneOptions(
+        task="classify", model=model, train=DATA / "sentiment.tsv", out=out,
+        text_column="sentence", max_length=32, progress=False, **given,
+    )  # fmt: skip
+    built = prepare(opts)  # builds the run, writes nothing
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("pooling")]
+    return built.model.pooling, built.model.bert.pooler is None, lines
+
+
+def test_pooling_follows_the_checkpoint_and_a_flag_wins(tiny_dir, minilm_dir, tmp_path, capsys):
+    out = tmp_path / "unused"
+    assert pooling_choice(capsys, minilm_dir, out) == (
+        "mean", True, ["pooling mean (the checkpoint's sentence-transformers pooling)"],
+    )  # fmt: skip
+    assert pooling_choice(capsys, tiny_dir, out) == (
+        "cls", False, ["pooling cls (default: BERT's [CLS] pooler)"],
+    )  # fmt: skip
+    assert pooling_choice(capsys, minilm_dir, out, pooling="cls") == (
+        "cls", False, ["pooling cls (given)"],
+    )  # fmt: skip
+    # What decides: modules.json's Pooling module, pooling by the mean alone.
+    folder = tmp_path / "st"
+    shutil.copytree(tiny_dir, folder)
+    shutil.copy(minilm_dir / "modules.json", folder)
+    shutil.copytree(minilm_dir / "1_Pooling", folder / "1_Pooling")
+    assert pooling_choice(capsys, folder, out)[0] == "mean"
+    modes = folder / "1_Pooling" / "config.json"
+    data = json.loads(modes.read_text())
+    data.update(pooling_mode_mean_tokens=False, pooling_mode_cls_token=True)
+    modes.write_text(json.dumps(data))
+    assert pooling_choice(capsys, folder, out)[0] == "cls"
+    assert not out.exists()
+
+
+def mean_pooled_hf_probabilities(model_dir: Path, texts: list[str]) -> torch.Tensor:
+    """Softmax of the saved classifier on HF BertModel's masked mean of the saved encoder."""
+    from transformers import BertConfig as HFBertConfig
+    from transformers import BertModel as HFBertModel
+    from transformers import BertTokenizerFast
+
+    weights = load_file(model_dir / "model.safetensors")
+    encoder = HFBertModel(HFBertConfig.from_pretrained(str(model_dir)), add_pooling_layer=False)
+    encoder.load_state_dict({k[5:]: v for k, v in weights.items() if k.startswith("bert.")})
+    enc = BertTokenizerFast.from_pretrained(str(model_dir))(
+        texts, padding=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        hidden = encoder.eval()(**enc).last_hidden_state
+    mask = enc["attention_mask"].unsqueeze(-1).float()
+    pooled = (hidden * mask).sum(1) / mask.sum(1)
+    return torch.softmax(pooled @ weights["classifier.weight"].T + weights["classifier.bias"], -1)
+
+
+def test_a_mean_pooled_model_is_saved_and_rebuilt_by_predict(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "mean"
+    train = DATA / "sentiment.tsv"
+    code, _, err = run(capsys, *finetune_args(tiny_dir, train, out, "--text-column", "sentence",
+                                              "--pooling", "mean"))  # fmt: skip
+    assert code == 0, err
+    assert "pooling mean (given)" in err.splitlines()
+    assert json.loads((out / "config.json").read_text())["attnlab"]["pooling"] == "mean"
+    dev = [line.split("\t") for line in (DATA / "sentiment_dev.tsv").read_text().splitlines()[1:]]
+    code, _, err = run(capsys, "predict", "--model", out, "--input", DATA / "sentiment_dev.tsv",
+                       "--output", tmp_path / "pred.jsonl")  # fmt: skip
+    assert code == 0, err
+    rows = [json.loads(line) for line in (tmp_path / "pred.jsonl").read_text().splitlines()]
+    probs = mean_pooled_hf_probabilities(out, [text for text, _ in dev])
+    for row, p in zip(rows, probs, strict=True):
+        assert row["probabilities"]["pos"] == pytest.approx(p[1].item(), abs=1e-5)
+    code, stdout, err = run(
+        capsys, "evaluate", "--model", out, "--data", DATA / "sentiment_dev.tsv"
+    )
+    assert code == 0 and set(json.loads(stdout)) == {"accuracy", "f1", "mcc"}, err
+    # Fine-tuning it again keeps the pooling its head was trained with.
+    code, _, err = run(capsys, *finetune_args(out, train, tmp_path / "again", "--text-column",
+                                              "sentence"))  # fmt: skip
+    assert code == 0, err
+    assert "pooling mean (the fine-tuned checkpoint's)" in err.splitlines()
+    args = finetune_args(tiny_dir, DATA / "ner.conll", tmp_path / "ner", "--pooling", "mean")
+    args[2] = "ner"
+    assert_one_error(run(capsys, *args), "--pooling applies to classify and regress")

@@ -287,3 +287,79 @@ def test_pretraining_checkpoint_gives_encoder_weights(tmp_path):
     assert fresh == ["classifier"]
     encoder = load_bert(tmp_path / "pre")
     assert torch.equal(model.bert.pooler.dense.weight, encoder.pooler.dense.weight)
+
+
+# ---------------------------------------------------------------------------- mean pooling
+
+
+@pytest.mark.parametrize("task", ["classify", "regress"])
+def test_mean_pooling_is_hfs_masked_mean_then_the_classifier(task, minilm_dir, batch, hf_minilm):
+    """pooling="mean": HF BertModel's last_hidden_state averaged over real tokens, by hand."""
+    n_labels = HF_HEADS[task][1]["num_labels"]
+    torch.manual_seed(0)
+    ours, fresh = load_task_model(minilm_dir, task, num_labels=n_labels, pooling="mean")
+    assert fresh == ["classifier"] and ours.pooling == "mean" and ours.bert.pooler is None
+    ours.eval()
+    with torch.no_grad():
+        hidden = hf_minilm(**batch).last_hidden_state  # (batch, seq, 384)
+        mask = batch["attention_mask"].unsqueeze(-1).float()
+        pooled = (hidden * mask).sum(1) / mask.sum(1)
+        weight, bias = ours.classifier.weight, ours.classifier.bias
+        expected = pooled @ weight.T + bias  # (batch, num_labels)
+        labels = labels_for(task, batch)
+        got = ours(**batch, **labels)
+    assert got["logits"].shape == (batch["input_ids"].shape[0], n_labels)
+    assert_close(got["logits"], expected)
+    if task == "regress":
+        loss = torch.nn.functional.mse_loss(expected.squeeze(-1), labels["labels"])
+    else:
+        loss = torch.nn.functional.cross_entropy(expected, labels["labels"])
+    assert abs(got["loss"].item() - loss.item()) < TOL
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_padding_does_not_change_a_rows_logits(pooling, minilm_dir, batch):
+    torch.manual_seed(0)
+    model, _ = load_task_model(minilm_dir, "classify", num_labels=3, pooling=pooling)
+    mask = batch["attention_mask"]
+    row = int(mask.sum(1).argmin())  # the shortest pair: the most padding in the batch
+    n = int(mask[row].sum())
+    assert n < mask.shape[1]
+    with torch.no_grad():
+        padded = model(**batch)["logits"][row]
+        alone = model(**{k: v[row : row + 1, :n] for k, v in batch.items()})["logits"][0]
+    assert_close(padded, alone)
+
+
+def test_mean_pooling_is_saved_loaded_and_refused_by_export(minilm_dir, batch, tmp_path, capsys):
+    import transformers
+
+    from attnlab.cli import main
+    from attnlab.text.tokenizer import BertTokenizer
+
+    torch.manual_seed(0)
+    ours, _ = load_task_model(minilm_dir, "classify", num_labels=3, pooling="mean")
+    out = tmp_path / "mean"
+    save_task_model(ours, out, BertTokenizer.from_dir(minilm_dir), ["a", "b", "c"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["attnlab"]["pooling"] == "mean"
+    assert not any(k.startswith("bert.pooler") for k in load_file(out / "model.safetensors"))
+    again, fresh = load_task_model(out, "classify")
+    assert (again.pooling, fresh) == ("mean", [])
+    with torch.no_grad():
+        assert torch.equal(again(**batch)["logits"], ours.eval()(**batch)["logits"])
+    # HF would run it with a [CLS] pooler: its Auto classes refuse the folder instead.
+    with pytest.raises((ValueError, KeyError)):
+        transformers.AutoModelForSequenceClassification.from_pretrained(str(out))
+    code = main(["export", "--model", str(out), "--out", str(tmp_path / "hf")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and not (tmp_path / "hf").exists()
+    assert err[0].startswith("attnlab: error: cannot export to HF format") and "mean" in err[0]
+    # A folder saved before pooling was (no "pooling" key): the [CLS] pooler, as HF's.
+    cls_model, _ = load_task_model(minilm_dir, "classify", num_labels=3, new_head=True)
+    save_task_model(cls_model, tmp_path / "old")
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    assert config["attnlab"].pop("pooling") == "cls" and config["model_type"] == "bert"
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    old, fresh = load_task_model(tmp_path / "old", "classify")
+    assert (old.pooling, fresh) == ("cls", [])

@@ -251,7 +251,13 @@ def cmd_embed(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     """Write the model in HF transformers' layout to --out."""
     from attnlab.interop.gpt2 import is_gpt_folder
-    from attnlab.interop.hf import checkpoint_task, load_bert, read_config, save_bert
+    from attnlab.interop.hf import (
+        checkpoint_task,
+        load_bert,
+        read_config,
+        save_bert,
+        task_hf_incompatible,
+    )
     from attnlab.io import check_out_dir
     from attnlab.text.tokenizer import BertTokenizer
 
@@ -261,6 +267,11 @@ def cmd_export(args: argparse.Namespace) -> None:
         return
     read_config(Path(args.model))  # config problems first, as in _load
     task = checkpoint_task(args.model)
+    if task is not None and (reason := task_hf_incompatible(args.model)):
+        raise AttnlabError(
+            f"cannot export to HF format: {args.model} is a fine-tuned {task} model with "
+            f"{reason}; it loads in attnlab only"
+        )
     if task is not None:  # export writes encoders and pretraining heads; it would drop this head
         raise AttnlabError(
             f"{args.model} is a fine-tuned {task} model, already in HF transformers' layout "
@@ -955,6 +966,10 @@ def _add_finetune(commands: _Commands) -> None:
         ("--max-seconds", float, "stop training after this long"),
     )
     sub.add_argument("--best-metric", help="dev metric that picks the kept model")
+    sub.add_argument("--pooling", choices=("cls", "mean"),
+                     help="classify/regress: what the head reads, the [CLS] pooler or the mean "
+                     "of the token states (default: mean for a sentence-transformers "
+                     "checkpoint pooled so, else cls; printed at the start)")  # fmt: skip
     sub.add_argument("--new-head", action="store_true", default=None,
                      help="replace a fine-tuned --model's head (other task or labels)")  # fmt: skip
     sub.add_argument("--max-answer-length", type=int, help="qa: longest answer in tokens")

@@ -30,7 +30,7 @@ from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError, first_line
 from attnlab.io import staged_dir, write_text_atomic, write_with_atomic
 from attnlab.models.bert import BertForPreTraining, BertModel, BertPooler, count_parameters
-from attnlab.models.heads import PROBLEM_TYPES
+from attnlab.models.heads import POOLINGS, PROBLEM_TYPES
 
 HF_ACTIVATIONS = {
     "gelu": "gelu",
@@ -65,6 +65,8 @@ ATTNLAB_ONLY = (
     "embedding_size",
     "share_layers",
 )
+# settings of a task head (not of BertConfig) that also ride under "attnlab"
+HEAD_ONLY = ("pooling",)
 
 
 # ---------------------------------------------------------------------------- config
@@ -105,7 +107,7 @@ def config_from_hf(data: dict[str, Any], source: str = "config.json") -> BertCon
     extra = data.get("attnlab", {})
     if not isinstance(extra, dict):
         raise AttnlabError(f"{source}: 'attnlab' must be an object")
-    unknown = sorted(set(extra) - set(ATTNLAB_ONLY))
+    unknown = sorted(set(extra) - set(ATTNLAB_ONLY) - set(HEAD_ONLY))
     if unknown:  # a misspelt setting (say norm_position) would silently change the model
         raise AttnlabError(
             f"{source}: unknown 'attnlab' setting(s) {', '.join(map(repr, unknown))} "
@@ -691,12 +693,17 @@ def checkpoint_labels(path: str | Path) -> list[str] | None:
 
 
 def build_task_model(
-    config: BertConfig, task: str, num_labels: int = 2, classifier_dropout: float | None = None
+    config: BertConfig,
+    task: str,
+    num_labels: int = 2,
+    classifier_dropout: float | None = None,
+    pooling: str = "cls",
 ) -> nn.Module:
     """A freshly initialised task model (encoder and head) for task.
 
     classifier_dropout is HF's config field: the dropout before a classifier (None: the
-    encoder's hidden dropout); HF's question-answering head has none.
+    encoder's hidden dropout); HF's question-answering head has none. pooling: what a
+    classify or regress head reads, the [CLS] pooler or the mean of the token states.
     """
     from attnlab.models.heads import (
         BertForQuestionAnswering,
@@ -706,11 +713,11 @@ def build_task_model(
 
     if task == "classify":
         return BertForSequenceClassification(
-            config, num_labels, classifier_dropout=classifier_dropout
+            config, num_labels, classifier_dropout=classifier_dropout, pooling=pooling
         )
     if task == "regress":
         return BertForSequenceClassification(
-            config, 1, problem_type="regression", classifier_dropout=classifier_dropout
+            config, 1, "regression", classifier_dropout=classifier_dropout, pooling=pooling
         )
     if task == "ner":
         return BertForTokenClassification(config, num_labels, classifier_dropout)
@@ -727,14 +734,19 @@ def _head_state(state: dict[str, Tensor], task: str) -> dict[str, Tensor]:
 
 
 def load_task_model(
-    path: str | Path, task: str, num_labels: int | None = None, new_head: bool = False
+    path: str | Path,
+    task: str,
+    num_labels: int | None = None,
+    new_head: bool = False,
+    pooling: str | None = None,
 ) -> tuple[nn.Module, list[str]]:
     """A task model from an HF or attnlab checkpoint dir, and the names of freshly initialised parts.
 
     A fine-tuned checkpoint of the same task loads whole; an encoder (or pretraining)
     checkpoint, or new_head=True, gives the encoder's weights and a new random head
-    (plus a new pooler for classification when the checkpoint has none, as HF does).
+    (plus a new pooler for [CLS] classification when the checkpoint has none, as HF does).
     A head of another task, or with another number of labels, is an error unless new_head.
+    pooling: a classifier's (cls or mean); None, the one saved in config.json (else cls).
     """
     path = Path(path)
     config = read_config(path)
@@ -757,8 +769,9 @@ def load_task_model(
         if not keep_head and task in ("classify", "ner"):
             raise AttnlabError(f"{path} has no {task} head: the number of labels is unknown")
         num_labels = head["weight"].shape[0] if keep_head and task != "qa" else 1
-    dropout = _classifier_dropout(_read_config_json(path), path)
-    model = build_task_model(config, task, num_labels, dropout)
+    data = _read_config_json(path)
+    pooling = _saved_pooling(data, path) if pooling is None else pooling
+    model = build_task_model(config, task, num_labels, _classifier_dropout(data, path), pooling)
     if keep_head and head["weight"].shape[0] != model.state_dict()[_head_key(task)].shape[0]:
         raise AttnlabError(
             f"the head in {path} has {head['weight'].shape[0]} outputs, this task needs "
@@ -790,6 +803,27 @@ def _classifier_dropout(data: dict[str, Any], path: Path) -> float | None:
             f"got {value!r}"
         )
     return value
+
+
+def checkpoint_pooling(path: str | Path) -> str:
+    """A fine-tuned classifier's pooling (cls or mean) as its config.json says; cls if unsaid."""
+    return _saved_pooling(_read_config_json(Path(path)), Path(path))
+
+
+def _saved_pooling(data: dict[str, Any], path: Path) -> str:
+    # saved under "attnlab" by save_task_model; a folder from before it, or HF's, is cls
+    value = (data.get("attnlab") or {}).get("pooling", "cls")
+    if value not in POOLINGS:
+        raise AttnlabError(f"{path}/config.json: pooling must be cls or mean, got {value!r}")
+    return value
+
+
+def task_hf_incompatible(path: str | Path) -> str | None:
+    """None if HF transformers runs this fine-tuned checkpoint as attnlab does, else why not."""
+    data = _read_config_json(Path(path))
+    if _saved_pooling(data, Path(path)) == "mean":
+        return "mean pooling (HF's BertForSequenceClassification reads the [CLS] pooler only)"
+    return hf_compatible(config_from_hf(data, f"{path}/config.json"))
 
 
 def _head_key(task: str) -> str:
@@ -830,6 +864,9 @@ def save_task_model(
         data["label2id"] = {name: i for i, name in enumerate(names)}
     if isinstance(model, BertForSequenceClassification):
         data["problem_type"] = model.problem_type
+        data["attnlab"]["pooling"] = model.pooling
+        if model.pooling != "cls":  # HF would run it with a [CLS] pooler: it must refuse it
+            data["model_type"] = "attnlab-bert"
     data["classifier_dropout"] = getattr(model, "classifier_dropout", None)
     with staged_dir(Path(out), overwrite, flag="out") as stage:
         write_text_atomic(stage / "config.json", json.dumps(data, indent=2, ensure_ascii=False))

@@ -4,7 +4,9 @@ Figure 4 of the paper fine-tunes one pretrained encoder for four kinds of task b
 single small layer and training everything end to end:
 
 (a, b) sentence and sentence-pair classification: the pooled [CLS] vector -> dropout ->
-       linear to the labels (one output and a squared error for regression, as STS-B);
+       linear to the labels (one output and a squared error for regression, as STS-B); or,
+       for a checkpoint trained so (sentence-transformers), the mean of the last layer's
+       token states in place of the [CLS] pooler (Reimers and Gurevych 2019, section 3);
 (c)    question answering (SQuAD, section 4.2): a start vector S and an end vector E score
        every token of the passage; the answer span maximises S.T_i + E.T_j, i <= j;
 (d)    token tagging (NER, section 5.3): each token's final hidden state -> dropout ->
@@ -25,6 +27,7 @@ from attnlab.errors import AttnlabError
 from attnlab.models.bert import BertModel, cls_only
 
 PROBLEM_TYPES = ("single_label_classification", "regression")
+POOLINGS = ("cls", "mean")  # what a sentence classifier reads of the encoder
 
 
 def _dropout(config: BertConfig, classifier_dropout: float | None) -> float:
@@ -37,11 +40,23 @@ def _init_head(model: nn.Module, head: nn.Linear) -> None:
     model.bert.init_weights(head)
 
 
+def mean_pool(hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """(batch, seq, d) -> (batch, d): the mean over real tokens (attention_mask 1; all if None)."""
+    if attention_mask is None:
+        return hidden.mean(1)
+    mask = attention_mask.unsqueeze(-1)  # (batch, seq, 1)
+    count = mask.sum(1).clamp(min=1).to(hidden.dtype)  # counted exactly, then cast
+    return (hidden * mask.to(hidden.dtype)).sum(1) / count
+
+
 class BertForSequenceClassification(nn.Module):
     """Figure 4 (a, b): [CLS] pooler -> dropout -> linear; cross-entropy, or MSE for regression.
 
     ``problem_type="regression"`` means one output per example (a similarity score, as in
     STS-B) trained with mean squared error; otherwise ``num_labels`` logits and cross-entropy.
+    ``pooling="mean"`` reads the mean of the last layer's states over real tokens instead of
+    the [CLS] pooler (which it then has none of), as a sentence-transformers checkpoint was
+    trained; HF's BertForSequenceClassification has only the pooler.
     """
 
     def __init__(
@@ -50,10 +65,15 @@ class BertForSequenceClassification(nn.Module):
         num_labels: int,
         problem_type: str = "single_label_classification",
         classifier_dropout: float | None = None,
+        pooling: str = "cls",
     ) -> None:
         super().__init__()
         if problem_type not in PROBLEM_TYPES:
             raise AttnlabError(f"problem_type must be one of {list(PROBLEM_TYPES)}")
+        if pooling not in POOLINGS:
+            raise AttnlabError(
+                f"pooling must be cls or mean, got {pooling!r}", options=("pooling",)
+            )
         if problem_type == "regression":
             num_labels = 1
         if num_labels < 1:
@@ -62,7 +82,8 @@ class BertForSequenceClassification(nn.Module):
         self.num_labels = num_labels
         self.problem_type = problem_type
         self.classifier_dropout = classifier_dropout  # HF's config field, saved with the model
-        self.bert = BertModel(config, add_pooler=True)
+        self.pooling = pooling  # saved with the model too (config.json's "attnlab")
+        self.bert = BertModel(config, add_pooler=pooling == "cls")
         self.dropout = nn.Dropout(_dropout(config, classifier_dropout))
         self.classifier = nn.Linear(config.d_model, num_labels)
         _init_head(self, self.classifier)
@@ -75,9 +96,12 @@ class BertForSequenceClassification(nn.Module):
         labels: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """input_ids (batch, seq) -> logits (batch, num_labels), and loss when labels (batch,) are given."""
-        # Only [CLS] is read from the last layer, so only [CLS] is computed there.
-        keep = cls_only(input_ids)
-        pooled = self.bert(input_ids, attention_mask, token_type_ids, keep=keep).pooler_output
+        if self.pooling == "mean":  # every real token's last state is read
+            hidden = self.bert(input_ids, attention_mask, token_type_ids).last_hidden_state
+            pooled = mean_pool(hidden, attention_mask)  # (batch, d_model)
+        else:  # only [CLS] is read from the last layer, so only [CLS] is computed there
+            keep = cls_only(input_ids)
+            pooled = self.bert(input_ids, attention_mask, token_type_ids, keep=keep).pooler_output
         logits = self.classifier(self.dropout(pooled))  # (batch, num_labels)
         out = {"logits": logits}
         if labels is not None:

@@ -5,14 +5,21 @@ BERT-base on GLUE-sized sets. Smaller models prefer larger rates (Turc et al. 20
 Students Learn Better", swept 1e-4..3e-5 for their compact BERTs), and a small training set cut
 into batches of 32 gives too few optimiser steps to learn in. FinetuneOptions leaves lr,
 batch_size, epochs and warmup_ratio as None; ``choose`` fills in each one left so, and says
-why. docs/finetuning.md shows the same table.
+why. A classifier's pooling follows the checkpoint (``choose_pooling``): the mean of the token
+states for a sentence-transformers model trained so, else BERT's [CLS] pooler.
+docs/finetuning.md shows the same table.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+from attnlab.errors import AttnlabError
+from attnlab.interop.hf import checkpoint_pooling, checkpoint_task
 
 # (largest hidden size, learning rate): the first row whose size fits the model's
 LR_BY_WIDTH = ((512, 1e-4), (768, 3e-5), (math.inf, 2e-5))
@@ -29,12 +36,12 @@ class Choice:
     """One setting of a run, as used: its value and why it has it."""
 
     name: str
-    value: float | int
+    value: float | int | str
     reason: str
 
     def line(self) -> str:
         """How the run prints it: 'lr 1e-04 (default for hidden size 384)'."""
-        shown = f"{self.value:g}"
+        shown = self.value if isinstance(self.value, str) else f"{self.value:g}"
         if self.name == "lr":  # 1e-4, 2.5e-5: as papers write rates
             mantissa, exponent = f"{self.value:e}".split("e")
             shown = f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
@@ -90,3 +97,52 @@ def choose(
         setting("epochs", lambda: (default_epochs(steps), f"default: {steps} steps an epoch"))
     setting("warmup_ratio", lambda: (WARMUP_RATIO, "default: BERT's share of the steps"))
     return choices
+
+
+def sentence_pooling(model_dir: Path) -> str | None:
+    """ "mean" for a sentence-transformers folder whose Pooling module takes the mean alone.
+
+    modules.json names the Pooling module's folder (1_Pooling in those the library saves);
+    its config.json says which pooling_mode_* the checkpoint was trained with.
+    """
+    modules_file = Path(model_dir) / "modules.json"
+    modules = _read_json(modules_file, list) if modules_file.is_file() else []
+    pooling = [
+        m for m in modules if isinstance(m, dict) and str(m.get("type")).endswith(".Pooling")
+    ]
+    if not pooling:
+        return None
+    config_file = Path(model_dir) / str(pooling[0].get("path", "")) / "config.json"
+    modes = _read_json(config_file, dict) if config_file.is_file() else {}
+    chosen = [key for key, on in modes.items() if key.startswith("pooling_mode_") and on is True]
+    return "mean" if chosen == ["pooling_mode_mean_tokens"] else None
+
+
+def _read_json(file: Path, kind: type) -> list | dict:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as err:
+        raise AttnlabError(f"{file}: not valid JSON ({err})") from None
+    if not isinstance(data, kind):
+        raise AttnlabError(f"{file}: expected a JSON {'list' if kind is list else 'object'}")
+    return data
+
+
+def choose_pooling(opts: object) -> Choice | None:
+    """Fill in opts.pooling left None for a classify or regress run; None for other tasks.
+
+    A fine-tuned head kept from --model keeps its pooling; a sentence-transformers
+    checkpoint pooled by the mean gets mean; anything else BERT's [CLS] pooler.
+    """
+    if opts.task not in ("classify", "regress"):
+        return None
+    if opts.pooling is not None:
+        return Choice("pooling", opts.pooling, "given")
+    if not opts.new_head and checkpoint_task(opts.model) == opts.task:
+        opts.pooling = checkpoint_pooling(opts.model)
+        reason = "the fine-tuned checkpoint's"
+    elif sentence_pooling(opts.model) == "mean":
+        opts.pooling, reason = "mean", "the checkpoint's sentence-transformers pooling"
+    else:
+        opts.pooling, reason = "cls", "default: BERT's [CLS] pooler"
+    return Choice("pooling", opts.pooling, reason)

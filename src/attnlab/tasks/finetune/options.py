@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnlab.errors import AttnlabError
+from attnlab.models.heads import POOLINGS
 from attnlab.train.config import RunOptions
 
 from .qa import TRAIN_ANSWERS
@@ -29,6 +30,7 @@ class FinetuneOptions(DataSettings, RunOptions):
     batch_size: int | None = None
     lr: float | None = None
     warmup_ratio: float | None = None
+    pooling: str | None = None  # classify/regress: "cls" or "mean" (None: chosen, defaults.py)
     weight_decay: float = 0.01
     fix_answer_offsets: bool = False  # qa training: move a wrong answer offset, not fail
     train_answers: str = "all"  # qa training targets: every gold answer, or the first only
@@ -61,6 +63,15 @@ class FinetuneOptions(DataSettings, RunOptions):
             raise AttnlabError(
                 f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}",
                 options=("warmup_ratio",),
+            )
+        if self.pooling is not None and self.pooling not in POOLINGS:
+            raise AttnlabError(
+                f"pooling must be cls or mean, got {self.pooling!r}", options=("pooling",)
+            )
+        if self.pooling is not None and self.task not in ("classify", "regress"):
+            raise AttnlabError(
+                f"pooling applies to classify and regress heads, not {self.task}",
+                options=("pooling",),
             )
         if self.train_answers not in TRAIN_ANSWERS:
             raise AttnlabError(

@@ -99,7 +99,9 @@ def initial_model(
                 )
             labels = task_data.LabelSet("classes", names)  # the head's own label order
     n_labels = labels.num_labels if labels is not None else None
-    model, fresh = load_task_model(opts.model, opts.task, n_labels, new_head=opts.new_head)
+    model, fresh = load_task_model(
+        opts.model, opts.task, n_labels, new_head=opts.new_head, pooling=opts.pooling
+    )
     return model, labels, fresh
 
 
@@ -168,11 +170,13 @@ def build_run(opts: FinetuneOptions) -> FinetuneRun:
     train = task.read_training(opts.train)
     labels = task.label_set(train, opts.train)
     torch.manual_seed(opts.seed)  # a fresh head's initial weights are part of the run
+    pooling = defaults.choose_pooling(opts)  # before the model: it decides the head's input
     model, labels, fresh = initial_model(opts, labels)
     train_data = task.featurise(tokenizer, train, labels, opts.train)
     evaluate = dev_evaluation(opts, task, tokenizer, labels)
     rows = len(train_data.rows)  # lr, batch size, epochs, warm-up: for this model and data
     choices = defaults.choose(opts, model.bert.config.d_model, rows, lambda b: rows // b)
+    choices += [pooling] if pooling is not None else []
     batches = LengthGroupedBatches(train_data.rows, opts.batch_size, tokenizer.pad_id, opts.seed)
     best = best_metric(opts, labels)
     config = train_config(opts, batches.batches_per_epoch, best if evaluate else None)
