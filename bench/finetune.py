@@ -198,7 +198,7 @@ def run_attnlab(
             task="classify", model=Path(minilm_dir()), train=train_file, dev=dev_file,
             out=Path(tmp) / "out", epochs=1, batch_size=BATCH, lr=lr, max_length=MAX_LENGTH,
             warmup_ratio=WARMUP, text_column="sentence", save_every=0, progress=False,
-            log_every=50,
+            log_every=50, pooling="cls",  # HF's classifier reads the [CLS] pooler
         )  # fmt: skip
         run = prepare(opts)
         run.train_config.best_metric = None  # score dev once, after the timed epoch

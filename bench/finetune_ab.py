@@ -48,7 +48,7 @@ def one_run(sentences: int, threads: int) -> dict:
         opts = FinetuneOptions(
             task="classify", model=Path(minilm_dir()), train=data, out=Path(tmp) / "out",
             epochs=1, batch_size=BATCH, lr=3e-5, max_length=MAX_LENGTH, warmup_ratio=WARMUP,
-            text_column="sentence", save_every=0, progress=False, log_every=10,
+            text_column="sentence", save_every=0, progress=False, log_every=10, pooling="cls",
         )  # fmt: skip
         run = prepare(opts)
         model, speedups = fast.for_training(run.model), fast.TrainingSpeedups()  # as the job
