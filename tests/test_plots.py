@@ -21,7 +21,9 @@ from attnlab.inspect.positions_plot import (
     PositionsPlot,
     additive_table,
     dot_by_distance,
+    offset_cosine,
     resolve,
+    shaw_tables,
 )
 from attnlab.nn import positions as pe
 
@@ -164,12 +166,101 @@ def test_bad_position_requests_are_one_line(minilm_dir, tmp_path, capsys):
         (["--dim", "7", "--scheme", "sinusoidal"], "--dim must be even"),
         (["--positions", "1", "--scheme", "sinusoidal"], "--positions must be from 4"),
         ([], "give a --scheme or a --model"),
+        (["--scheme", "shaw", "--model", minilm_dir], "uses learned, not shaw"),
+        (["--scheme", "rope", "--layer", "1"], "--layer is for shaw only"),
+        (["--model", minilm_dir, "--layer", "0"], "leave --layer out"),
     ]:
         code, _, err = run_cli(capsys, "plot", "positions", "--out", out, *flags)
         assert code == 2 and err.count("\n") == 1 and fragment in err, err
     with pytest.raises(AttnlabError, match="scheme must be one of"):
-        resolve(PositionsPlot(scheme="shaw"))
+        resolve(PositionsPlot(scheme="xpos"))
     assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def shaw_gpt_dir(tmp_path_factory) -> Path:
+    """A 3-layer Shaw GPT folder (k = 4, w^K and w^V) whose tables are far from their init."""
+    from attnlab.config import GPTConfig
+    from attnlab.interop.gpt2 import save_gpt
+    from attnlab.models.gpt import GPT
+    from attnlab.text.lm_tokenizer import char_tokenizer
+
+    torch.manual_seed(0)
+    config = GPTConfig.preset(
+        "gpt-char", vocab_size=30, n_layers=3, d_model=32, n_heads=4, d_ff=64,
+        position_encoding="shaw", shaw_max_distance=4,
+    )  # fmt: skip
+    model = GPT(config)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, pe.RelativePositionRepresentations):
+                module.keys.normal_()
+                module.values.normal_()
+    root = tmp_path_factory.mktemp("shaw-gpt")
+    save_gpt(model, root)
+    char_tokenizer("abcdefghij").save(root)
+    return root
+
+
+def test_a_shaw_models_drawn_tables_are_its_saved_parameters(shaw_gpt_dir, tmp_path, capsys):
+    import matplotlib.pyplot as plt
+    from safetensors.torch import load_file
+
+    from attnlab.inspect.heatmap import _figure
+    from attnlab.inspect.positions_plot import _draw_shaw
+
+    saved = load_file(str(shaw_gpt_dir / "model.safetensors"))  # read apart from the model code
+    for layer in (None, 2):
+        scheme, encoding, d_model, n, note = resolve(PositionsPlot(model=shaw_gpt_dir, layer=layer))
+        index = layer or 0
+        assert (scheme, d_model, n) == ("shaw", 32, 9) and f"layer {index} of 3" in note
+        keys, values = shaw_tables(encoding)
+        prefix = f"layers.{index}.self_attn.relative"
+        torch.testing.assert_close(keys, saved[f"{prefix}.keys"], rtol=0, atol=0)
+        torch.testing.assert_close(values, saved[f"{prefix}.values"], rtol=0, atol=0)
+        fig, axes = _figure(1, 3, cell=4.6)
+        _draw_shaw(axes[0], encoding)  # the arrays the heatmaps show
+        shown = [torch.as_tensor(ax.images[0].get_array().data) for ax in axes[0]]
+        torch.testing.assert_close(shown[0], saved[f"{prefix}.keys"], rtol=0, atol=0)
+        torch.testing.assert_close(shown[2], saved[f"{prefix}.values"], rtol=0, atol=0)
+        unit = saved[f"{prefix}.keys"] / saved[f"{prefix}.keys"].norm(dim=-1, keepdim=True)
+        torch.testing.assert_close(shown[1], unit @ unit.T, atol=1e-5, rtol=0)
+        plt.close(fig)
+    out = tmp_path / "shaw.png"
+    code, stdout, err = run_cli(capsys, "plot", "positions", "--model", shaw_gpt_dir,
+                                "--layer", "1", "--out", out)  # fmt: skip
+    assert code == 0, err
+    summary = json.loads(stdout)
+    assert (summary["scheme"], summary["offsets"], summary["max_distance"]) == ("shaw", 9, 4)
+    assert png_size(out) == (1530, 560) and ink(out) > 0.05
+    code, _, err = run_cli(capsys, "plot", "positions", "--model", shaw_gpt_dir, "--layer", "3",
+                           "--out", tmp_path / "no.png")  # fmt: skip
+    assert code == 2 and "3 self-attention layers: --layer must be from 0 to 2" in err, err
+
+
+def test_offset_cosine_is_symmetric_with_ones_on_its_diagonal():
+    torch.manual_seed(0)
+    table = torch.randn(9, 16) * torch.rand(9, 1) * 5  # rows of different lengths
+    cosine = offset_cosine(table)
+    torch.testing.assert_close(cosine, cosine.T)
+    torch.testing.assert_close(cosine.diagonal(), torch.ones(9))
+    by_formula = torch.nn.functional.cosine_similarity(table[:, None], table[None], dim=-1)
+    torch.testing.assert_close(cosine, by_formula, atol=1e-6, rtol=0)
+
+
+def test_shaw_without_values_draws_the_key_norms():
+    import matplotlib.pyplot as plt
+
+    from attnlab.inspect.heatmap import _figure
+    from attnlab.inspect.positions_plot import _draw_shaw
+
+    tables = pe.RelativePositionRepresentations(8, 3, values=False)
+    fig, axes = _figure(1, 3, cell=4.6)
+    _draw_shaw(axes[0], tables)
+    offsets, norms = axes[0][2].lines[0].get_data()
+    assert list(offsets) == [-3, -2, -1, 0, 1, 2, 3]
+    torch.testing.assert_close(torch.as_tensor(norms), tables.keys.detach().norm(dim=-1))
+    plt.close(fig)
 
 
 # --- contextual embeddings ---------------------------------------------------------------------

@@ -12,7 +12,9 @@ from pathlib import Path
 
 from attnlab.cli import _command, _print_json, _say
 
-SCHEMES = ("sinusoidal", "learned", "rope", "alibi", "relative_bias", "normalized", "integer")
+SCHEMES = (
+    "sinusoidal", "learned", "rope", "alibi", "relative_bias", "normalized", "integer", "shaw",
+)  # fmt: skip
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -47,12 +49,15 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     actions = group.add_subparsers(dest="plot_command", required=True, parser_class=_Parser)
     plot = _command(actions, "positions", cmd_plot_positions,
                     "draw a positional encoding: its table, dot product against distance, "
-                    "RoPE's rotation or ALiBi's bias")  # fmt: skip
+                    "RoPE's rotation, ALiBi's bias or Shaw's offset vectors")  # fmt: skip
     plot.add_argument("--scheme", choices=SCHEMES, help="the scheme (default: the model's)")
     plot.add_argument("--model", help="a model directory: draw its (learned) table")
     plot.add_argument("--out", dest="output", required=True, metavar="FILE", help="FILE.png")
     plot.add_argument("--positions", type=int, help="positions drawn (default 128)")
     plot.add_argument("--dim", type=int, help="d_model of the drawn table (default 128)")
+    plot.add_argument(
+        "--layer", type=int, help="shaw: the layer whose tables are drawn (default 0)"
+    )
     plot.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     ctx = _command(actions, "contextual", cmd_plot_contextual,
                    "one word in two contexts: the cosine of its BERT vectors after each layer "
@@ -101,7 +106,7 @@ def cmd_plot_positions(args: argparse.Namespace) -> None:
     out = check_output_file(
         Path(args.output), args.overwrite, inputs=[args.model] if args.model else []
     )
-    request = PositionsPlot(scheme=args.scheme, model=args.model)
+    request = PositionsPlot(scheme=args.scheme, model=args.model, layer=args.layer)
     if args.positions is not None:
         request.positions = args.positions
     if args.dim is not None:

@@ -10,7 +10,9 @@ Each figure has three panels:
   same curve: it depends on the offset only) and one pair of dimensions turning with position;
 - alibi: the bias matrix -slope_h |i - j| of a head, every head's bias against distance, and
   the slopes;
-- relative_bias: the bucket of each offset and each head's bias against offset.
+- relative_bias: the bucket of each offset and each head's bias against offset;
+- shaw: one self-attention layer's w^K (offset by dimension), the cosine of every pair of
+  offsets' w^K, and w^V (without it, |w^K| against offset).
 With a model directory the model's own (trained) scheme is drawn.
 """
 
@@ -26,7 +28,9 @@ from torch import Tensor
 from attnlab.errors import AttnlabError
 from attnlab.nn import positions as pe
 
-SCHEMES = ("sinusoidal", "learned", "rope", "alibi", "relative_bias", "normalized", "integer")
+SCHEMES = (
+    "sinusoidal", "learned", "rope", "alibi", "relative_bias", "normalized", "integer", "shaw",
+)  # fmt: skip
 ADDITIVE = ("sinusoidal", "learned", "normalized", "integer")
 
 
@@ -39,6 +43,7 @@ class PositionsPlot:
     positions: int = 128
     dim: int = 128
     n_heads: int = 8
+    layer: int | None = None  # shaw: the self-attention layer whose tables are drawn (default 0)
 
     def validate(self) -> None:
         """Refuse sizes that cannot be drawn and a scheme attnlab does not have."""
@@ -50,39 +55,107 @@ class PositionsPlot:
             raise AttnlabError("positions must be from 4 to 4096", options=("positions",))
         if not 4 <= self.dim <= 4096 or self.dim % 2:
             raise AttnlabError("dim must be even, from 4 to 4096", options=("dim",))
+        if self.layer is not None and self.layer < 0:
+            raise AttnlabError("layer must be 0 or more", options=("layer",))
 
 
-def _model_scheme(path: str | Path) -> tuple[str, pe.PositionEncoding, int, int]:
-    """(scheme, encoding, d_model, max_positions) of a model directory's token-side positions."""
+def shaw_layers(model: torch.nn.Module) -> list[pe.RelativePositionRepresentations]:
+    """Each self-attention layer's Shaw tables, in the model's order (translation: encoder first)."""
+    return [m for m in model.modules() if isinstance(m, pe.RelativePositionRepresentations)]
+
+
+def shaw_tables(encoding: pe.RelativePositionRepresentations) -> tuple[Tensor, Tensor | None]:
+    """One layer's w^K and w^V (None without), each (2k + 1, d_head), row o for offset o - k."""
+    keys = encoding.keys.detach().float().clone()
+    values = None if encoding.values is None else encoding.values.detach().float().clone()
+    return keys, values
+
+
+def offset_cosine(table: Tensor) -> Tensor:
+    """Cosine similarity of every pair of rows (offsets' vectors): (rows, rows)."""
+    unit = torch.nn.functional.normalize(table.float(), dim=-1)
+    return unit @ unit.T
+
+
+def _shaw_layer(model: torch.nn.Module, path: str | Path, layer: int | None):
+    """The chosen layer's RelativePositionRepresentations and a note naming it."""
+    layers = shaw_layers(model)
+    index = 0 if layer is None else layer
+    if index >= len(layers):
+        raise AttnlabError(
+            f"{path} has {len(layers)} self-attention layers: layer must be from 0 to "
+            f"{len(layers) - 1}",
+            options=("layer",),
+        )
+    return layers[index], f"layer {index} of {len(layers)}"
+
+
+def _model_scheme(
+    path: str | Path, layer: int | None = None
+) -> tuple[str, torch.nn.Module, int, int, str]:
+    """(scheme, encoding, d_model, max_positions, where) of a model directory's token side.
+
+    For shaw the encoding is one layer's tables and ``where`` names that layer.
+    """
     from attnlab.inspect.maps import load_attention_model
 
     model, _ = load_attention_model(path)
     config = model.config
+    if config.position_encoding == "shaw":
+        encoding, where = _shaw_layer(model, path, layer)
+        return "shaw", encoding, config.d_model, config.max_positions, where
     if hasattr(model, "embeddings"):  # BERT
         encoding = model.embeddings.positions
     elif hasattr(model, "src_positions"):  # the translation Transformer: its source side
         encoding = model.src_positions
     else:  # GPT
         encoding = model.positions
-    return config.position_encoding, encoding, config.d_model, config.max_positions
+    return config.position_encoding, encoding, config.d_model, config.max_positions, ""
 
 
-def resolve(request: PositionsPlot) -> tuple[str, pe.PositionEncoding, int, int, str]:
-    """The scheme, its encoding module, d_model, positions drawn and a note on its origin."""
+def _fresh(request: PositionsPlot) -> tuple[str, torch.nn.Module, int, int, str]:
+    """A newly built encoding of the requested scheme and size (no model)."""
+    scheme, n = request.scheme, request.positions
+    untrained = "untrained (random init): pass a model for a trained one"
+    if scheme == "shaw":  # one layer's tables, of the head size, at the config's default k
+        from attnlab.config import BertConfig
+
+        d_head = max(1, request.dim // request.n_heads)
+        encoding = pe.RelativePositionRepresentations(d_head, BertConfig.shaw_max_distance)
+        return scheme, encoding, request.dim, 2 * encoding.max_distance + 1, untrained
+    encoding = pe.build_position_encoding(scheme, request.dim, request.n_heads, n)
+    note = untrained if scheme in ("learned", "relative_bias") else ""
+    return scheme, encoding, request.dim, n, note
+
+
+def resolve(request: PositionsPlot) -> tuple[str, torch.nn.Module, int, int, str]:
+    """The scheme, its encoding module, d_model, positions drawn and a note on its origin.
+
+    For shaw the module is one layer's ``RelativePositionRepresentations`` and the count is
+    its 2k + 1 offsets.
+    """
     request.validate()
+    if request.layer is not None and request.scheme not in (None, "shaw"):
+        raise AttnlabError(
+            "layer is for shaw only: other schemes have one table for the model", options=("layer",)
+        )
     if request.model is None:
-        scheme, n = request.scheme, request.positions
-        encoding = pe.build_position_encoding(scheme, request.dim, request.n_heads, n)
-        untrained = scheme in ("learned", "relative_bias")
-        note = "untrained (random init): pass a model for a trained one" if untrained else ""
-        return scheme, encoding, request.dim, n, note
-    scheme, encoding, d_model, max_positions = _model_scheme(request.model)
+        return _fresh(request)
+    scheme, encoding, d_model, max_positions, where = _model_scheme(request.model, request.layer)
     if scheme not in SCHEMES:
         raise AttnlabError(f"{request.model} uses position_encoding {scheme!r}: nothing to draw")
     if request.scheme is not None and request.scheme != scheme:
         raise AttnlabError(
             f"{request.model} uses {scheme}, not {request.scheme}: leave scheme out",
             options=("scheme",),
+        )
+    if scheme == "shaw":
+        n_offsets = 2 * encoding.max_distance + 1
+        return scheme, encoding, d_model, n_offsets, f"{where}, {Path(request.model).name}"
+    if request.layer is not None:
+        raise AttnlabError(
+            f"{request.model} uses {scheme}, one table for the model: leave layer out",
+            options=("layer",),
         )
     return (
         scheme,
@@ -192,6 +265,33 @@ def _draw_bias(axes, scheme: str, encoding: pe.PositionEncoding, n: int) -> None
         axes[2].set(title="T5 bucket of each offset (log-spaced)", xlabel="j - i", ylabel="bucket")
 
 
+def _offset_ticks(ax, k: int, axes: str) -> None:
+    """Label rows/columns 0..2k of a Shaw table with their offsets -k..k."""
+    rows = sorted({0, k // 2, k, k + k // 2, 2 * k})
+    labels = [str(row - k) for row in rows]
+    if "x" in axes:
+        ax.set_xticks(rows, labels)
+    if "y" in axes:
+        ax.set_yticks(rows, labels)
+
+
+def _draw_shaw(axes, encoding: pe.RelativePositionRepresentations) -> None:
+    keys, values = shaw_tables(encoding)
+    k = encoding.max_distance
+    offset = f"offset j - i (clipped to ±{k})"
+    _heatmap(axes[0], keys, "shaw: w^K of each offset", "dimension of the head", offset)
+    _offset_ticks(axes[0], k, "y")
+    _heatmap(axes[1], offset_cosine(keys), "cosine of the offsets' w^K", "offset", "offset")
+    _offset_ticks(axes[1], k, "xy")
+    if values is not None:
+        _heatmap(axes[2], values, "shaw: w^V of each offset", "dimension of the head", offset)
+        _offset_ticks(axes[2], k, "y")
+    else:  # the paper's ablation with a^K only
+        axes[2].plot(range(-k, k + 1), keys.norm(dim=-1).numpy(), marker=".")
+        axes[2].set(title="|w^K| by offset (no w^V: shaw_values off)", xlabel=offset,
+                    ylabel="norm")  # fmt: skip
+
+
 def plot_positions(request: PositionsPlot, out: Path) -> dict[str, Any]:
     """Draw the scheme's three panels into the PNG out; returns a summary."""
     from attnlab.inspect.heatmap import _figure, _save
@@ -203,11 +303,17 @@ def plot_positions(request: PositionsPlot, out: Path) -> dict[str, Any]:
         _draw_additive(axes, scheme, encoding, n)
     elif scheme == "rope":
         _draw_rope(axes, encoding, n)
+    elif scheme == "shaw":
+        _draw_shaw(axes, encoding)
     else:
         _draw_bias(axes, scheme, encoding, n)
-    fig.suptitle(
-        f"{scheme} positions ({n} positions, d_model {d_model})" + (f": {note}" if note else "")
-    )
+    if scheme == "shaw":
+        k = encoding.max_distance
+        size = f"k = {k}, d_head {encoding.keys.shape[1]}, d_model {d_model}"
+        shape = {"offsets": n, "max_distance": k, "values": encoding.values is not None}
+    else:
+        size, shape = f"{n} positions, d_model {d_model}", {"positions": n}
+    fig.suptitle(f"{scheme} positions ({size})" + (f": {note}" if note else ""))
     _save(fig, out)
-    return {"output": str(out), "scheme": scheme, "positions": n, "d_model": d_model,
+    return {"output": str(out), "scheme": scheme, **shape, "d_model": d_model,
             "panels": [ax.get_title() for ax in axes]}  # fmt: skip
