@@ -12,7 +12,8 @@ of the logits). Timed: the best of --repeats rounds of --steps steps, after a wa
 ``generate``: generation tokens/s, sampling --new-tokens tokens (temperature 1) for batches of
 1 and 8 one-token prompts; the end-of-text token is never emitted (random weights would end
 rows at random), so both make exactly the same number of tokens. attnlab runs as `attnlab
-generate` does (inference twins, KV cache); HF's ``generate(do_sample=True)``.
+generate` does (the plain model: the inference twins cost more than they save at one token a
+step; KV cache); HF's ``generate(do_sample=True)``.
 
 The quality figure (issue 39 item 7c) is a CLI run, not this script:
 
@@ -109,10 +110,9 @@ def bench_generate(args: argparse.Namespace) -> None:
         prompt = torch.zeros((batch_size, 1), dtype=torch.long)
 
         def run_ours(prompt: torch.Tensor = prompt) -> torch.Tensor:
-            with fast.inference_twins(ours):
-                return generate(
-                    ours, prompt, args.new_tokens, generator=torch.Generator().manual_seed(0)
-                )
+            return generate(
+                ours, prompt, args.new_tokens, generator=torch.Generator().manual_seed(0)
+            )
 
         def run_hf(prompt: torch.Tensor = prompt) -> torch.Tensor:
             return hf.generate(prompt, do_sample=True, max_new_tokens=args.new_tokens,

@@ -137,8 +137,7 @@ class LanguageModel:
     def __init__(self, model_dir: Path) -> None:
         from attnlab.tasks.lm import load_lm
 
-        self.model, self.tokenizer = load_lm(model_dir)
-        fast.for_serving(self.model)
+        self.model, self.tokenizer = load_lm(model_dir)  # plain: generation runs it so
         self.max_length = self.model.config.max_positions
 
     def endpoints(self) -> list[str]:

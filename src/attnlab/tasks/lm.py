@@ -753,26 +753,27 @@ def generate_texts(
     if stream is not None:
         next(stream)
     completions = []
-    with fast.inference_twins(model):
-        for start in range(0, len(rows), batch_size):
-            chunk = rows[start : start + batch_size]
-            longest = max(map(len, chunk))
-            ids = torch.full((len(chunk), longest), tokenizer.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), longest), dtype=torch.long)
-            for row, prompt in enumerate(chunk):  # left padding: every row ends at its prompt
-                ids[row, longest - len(prompt) :] = torch.tensor(prompt)
-                mask[row, longest - len(prompt) :] = 1
+    # The plain model: at one new token a step the inference twins (packed products, the
+    # CPU attention route) cost more than they save (bench/RESULTS.md, language-model speed).
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        longest = max(map(len, chunk))
+        ids = torch.full((len(chunk), longest), tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), longest), dtype=torch.long)
+        for row, prompt in enumerate(chunk):  # left padding: every row ends at its prompt
+            ids[row, longest - len(prompt) :] = torch.tensor(prompt)
+            mask[row, longest - len(prompt) :] = 1
 
-            def show(step: int, tokens: torch.Tensor) -> None:
-                on_text(stream.send(int(tokens[0])))
+        def show(step: int, tokens: torch.Tensor) -> None:
+            on_text(stream.send(int(tokens[0])))
 
-            new = generate(
-                model, ids.to(device), max_new_tokens,
-                attention_mask=mask.to(device), do_sample=not greedy, temperature=temperature,
-                top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                generator=generator, on_token=show if stream is not None else None,
-            )  # fmt: skip
-            completions += [_completion(tokenizer, row, stop) for row in new[:, longest:].tolist()]
+        new = generate(
+            model, ids.to(device), max_new_tokens,
+            attention_mask=mask.to(device), do_sample=not greedy, temperature=temperature,
+            top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+            generator=generator, on_token=show if stream is not None else None,
+        )  # fmt: skip
+        completions += [_completion(tokenizer, row, stop) for row in new[:, longest:].tolist()]
     sources = [p for p in prompts for _ in range(num_samples)]
     return list(zip(sources, completions, strict=True))
 
