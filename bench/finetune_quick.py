@@ -37,22 +37,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import SHARED_DATA, machine
 from finetune_results import minilm
 
+from attnlab.text.tasks import read_conll
+
 SST2_TRAIN, CONLL_TRAIN = 6000, 4000
 HF_LR, HF_BATCH = 5e-5, 8  # TrainingArguments' defaults
 
 
 def conll_sentences(path: Path, limit: int | None = None) -> list[list[tuple[str, str]]]:
-    """(word, tag) sentences of a CoNLL file (last column the tag), document markers skipped."""
-    sentences, current = [], []
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            parts = line.split()
-            if parts and parts[0] != "-DOCSTART-":
-                current.append((parts[0], parts[-1]))
-            elif current:
-                sentences.append(current)
-                current = []
-    sentences += [current] if current else []
+    """(word, tag) sentences of a CoNLL file, read as `attnlab finetune` reads it."""
+    sentences = [list(zip(e.words, e.tags, strict=True)) for e in read_conll(path)]
     return sentences[:limit] if limit else sentences
 
 
@@ -167,13 +160,8 @@ def hf_conll(train: Path) -> dict:
     from seqeval.metrics import f1_score
     from transformers import AutoModelForTokenClassification, AutoTokenizer
 
-    def load(path: Path) -> list[list[tuple[str, str]]]:
-        if path.suffix == ".gz":
-            return conll_sentences(path)
-        blocks = path.read_text(encoding="utf-8").strip().split("\n\n")
-        return [[tuple(line.split()) for line in block.splitlines()] for block in blocks]
-
-    train_rows, test_rows = load(train), load(SHARED_DATA / "conll2003/test.bio.txt.gz")
+    train_rows = conll_sentences(train)
+    test_rows = conll_sentences(SHARED_DATA / "conll2003/test.bio.txt.gz")
     tags = sorted({t for s in train_rows for _, t in s})
     index = {t: i for i, t in enumerate(tags)}
     tokenizer = AutoTokenizer.from_pretrained(minilm())

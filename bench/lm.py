@@ -72,6 +72,17 @@ def batches(
     return [{"input_ids": r[:, :-1], "targets": r[:, 1:]} for r in rows]
 
 
+def hf_step(hf: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> float:
+    """One plain training step of an HF causal LM: mean next-token cross-entropy, clip at 1."""
+    logits = hf(input_ids=batch["input_ids"]).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
 def bench_train(args: argparse.Namespace) -> None:
     """Training tokens/s of both models on the same batches."""
     ours, hf = twin_models(args.preset, args.vocab_size, args.seq_len)
@@ -82,17 +93,8 @@ def bench_train(args: argparse.Namespace) -> None:
     hf.train()
     hf_optimizer = build_optimizer(hf, 1e-3, 0.1, GPT_BETAS, GPT_EPS)
 
-    def hf_step(batch: dict[str, torch.Tensor]) -> float:
-        logits = hf(input_ids=batch["input_ids"]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-        hf_optimizer.step()
-        hf_optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
     tokens = args.steps * args.batch_size * args.seq_len
-    for name, one_step in (("attnlab", step), ("HF", hf_step)):
+    for name, one_step in (("attnlab", step), ("HF", lambda b: hf_step(hf, hf_optimizer, b))):
         seconds, _ = best_time(lambda s=one_step: [s(b) for b in data], args.repeats)
         print(
             f"{name:8} train {tokens / seconds:10.0f} tokens/s ({seconds / args.steps:.3f} s/step)"

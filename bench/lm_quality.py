@@ -33,10 +33,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import SHARED_DATA, machine
+from lm import hf_step
 
 from attnlab.tasks.lm import GPT_BETAS, GPT_EPS, HELD_OUT_SHARE, load_lm, score_stream
 from attnlab.text.token_stream import TokenStream, WindowBatches, held_out_split
@@ -86,14 +86,7 @@ def train_hf(hf: torch.nn.Module, batches: WindowBatches, minutes: float) -> dic
     data = iter(batches)
 
     def step() -> float:
-        batch = next(data)
-        logits = hf(input_ids=batch["input_ids"]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return hf_step(hf, optimizer, next(data))
 
     started = time.perf_counter()
     probe = copy_state(hf, optimizer)  # the probe's steps are undone: the run starts fresh

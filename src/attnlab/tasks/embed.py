@@ -27,6 +27,7 @@ from attnlab import fast
 from attnlab.errors import AttnlabError
 from attnlab.io import json_safe, write_bytes_atomic, write_text_atomic
 from attnlab.models.bert import BertForPreTraining, BertModel, cls_only
+from attnlab.models.heads import mean_pool
 from attnlab.nn.mode import eval_mode
 from attnlab.text.tokenizer import BertTokenizer, Encoding
 
@@ -72,12 +73,6 @@ def length_batches(
         batches.append(Batch(chosen, ids, mask, types))
         start += size
     return batches
-
-
-def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
-    """(batch, seq, d) -> (batch, d): the mean over real (unpadded) tokens."""
-    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
 
 
 @torch.inference_mode()
