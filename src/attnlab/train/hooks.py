@@ -26,6 +26,9 @@ class TrainerHooks:
         """A context entered around fit()'s training loop (model built, device and DDP known)."""
         return contextlib.nullcontext()
 
+    def after_step(self, trainer: Trainer) -> None:
+        """Called after every optimiser step (and its logging, evaluation and checkpoint)."""
+
     def clipped_step(
         self, optimizer: torch.optim.Optimizer, parameters: Iterable[Tensor], max_norm: float
     ) -> Tensor:

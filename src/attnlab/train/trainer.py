@@ -349,6 +349,7 @@ class Trainer:
                     bar.update(1)
                     stop = self.step == cfg.steps or self._out_of_time()
                     self._after_step(bar, final=stop)
+                    self.speedups.after_step(self)
         finally:
             bar.close()
         if self.sharded:  # whole again for the job to publish (rank 0)
