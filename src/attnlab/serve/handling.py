@@ -12,6 +12,8 @@ from collections.abc import Hashable
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import Response
+from pydantic_core import to_json
 
 from .batching import Batcher, Job, QueueFull
 from .limits import ApiError, Limits, check_lengths
@@ -71,6 +73,11 @@ class Server:
     def listing(self, data: list[dict[str, Any]], tokens: list[int]) -> dict[str, Any]:
         """The answer of a task endpoint: its rows, the model's name and the usage."""
         return {"object": "list", "data": data, "model": self.name, "usage": self.usage(tokens)}
+
+
+def json_response(body: Any) -> Response:
+    """body as compact JSON, serialised once (FastAPI would validate and copy it first)."""
+    return Response(to_json(body), media_type="application/json")
 
 
 async def _disconnected(request: Request) -> None:

@@ -10,8 +10,9 @@ from collections.abc import Hashable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import Response
 
-from .handling import Server, as_list
+from .handling import Server, as_list, json_response
 from .limits import ApiError, check_texts
 from .models import EncoderModel, TaskModel
 from .schemas import ClassifyRequest, EmbeddingsRequest, FillMaskRequest, NerRequest, QARequest
@@ -21,14 +22,14 @@ def add_encoder_routes(app: FastAPI, server: Server, served: EncoderModel) -> No
     """POST /v1/embeddings, and /v1/fill-mask when the folder holds the MLM head."""
 
     @app.post("/v1/embeddings", tags=["bert"])
-    async def embeddings(body: EmbeddingsRequest, request: Request) -> dict[str, Any]:
+    async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
         """Sentence embeddings in OpenAI's shape (mean pooling, L2-normalised, by default)."""
         texts = as_list(body.input)
         check_texts(texts, server.limits)
         tokens = server.counted(texts, served.max_length, body.truncate)
         vectors = await server.answer(request, ("embed", body.normalize), texts, tokens)
         data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
-        return server.listing(data, tokens)
+        return json_response(server.listing(data, tokens))
 
     if not served.has_mlm:
         return
