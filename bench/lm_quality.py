@@ -6,12 +6,12 @@ same held-out text (the corpus's last 10%, as nanoGPT splits shakespeare) by HF'
 sliding-window method (window 256, stride 128):
 
 - attnlab: the CLI, ``attnlab lm train --preset gpt-char --max-minutes M`` with its defaults
-  (AdamW 1e-3, betas (0.9, 0.99), weight decay 0.1, warm-up planned from the clock, linear
-  decay, batch 32, random windows);
-- HF: ``GPT2LMHeadModel`` of the same config, the same optimizer settings, the same random
-  windows (attnlab's ``WindowBatches`` with the same seed), clipping at 1.0, a cosine decay
-  (``get_cosine_schedule_with_warmup``, 10% warm-up) over the steps that a 10-step timing
-  probe says fit the minutes; training stops when the clock runs out.
+  (AdamW at the rate its width gets, 2e-3, betas (0.9, 0.99), weight decay 0.1, warm-up
+  planned from the clock, linear decay, batch 32, random windows);
+- HF: ``GPT2LMHeadModel`` of the same config, the same optimizer settings (peak rate 2e-3
+  too), the same random windows (attnlab's ``WindowBatches`` with the same seed), clipping at
+  1.0, a cosine decay (``get_cosine_schedule_with_warmup``, 10% warm-up) over the steps that
+  a 10-step timing probe says fit the minutes; training stops when the clock runs out.
 
 The runs are one after the other, attnlab's first (its tokenizer gives both sides their ids).
 Printed: steps, tokens/s and held-out loss (nats/char) of each, one JSON line at the end.
@@ -42,7 +42,7 @@ from attnlab.tasks.lm import GPT_BETAS, GPT_EPS, HELD_OUT_SHARE, load_lm, score_
 from attnlab.text.token_stream import TokenStream, WindowBatches, held_out_split
 from attnlab.train.optim import build_optimizer
 
-SEQ_LEN, BATCH, STRIDE, LR = 256, 32, 128, 1e-3
+SEQ_LEN, BATCH, STRIDE, LR = 256, 32, 128, 2e-3  # LR: attnlab's default at d_model 192
 
 
 def train_attnlab(corpus: Path, out: Path, minutes: float, threads: int) -> dict[str, Any]:

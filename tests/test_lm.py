@@ -203,6 +203,24 @@ def test_a_time_limited_run_plans_its_steps_and_warm_up(lm, corpus, tiny_config,
     )
 
 
+def test_the_default_learning_rate_follows_the_width_and_a_given_one_wins(
+    lm, corpus, tiny_config, tmp_path, capsys
+):
+    # GPT-3's table 2.1: 6e-4 at d_model 768, 3e-4 at 1024; nanoGPT's baby GPT 1e-3 at 384
+    assert [lm.default_lr(d) for d in (32, 192, 384, 768, 1024, 1600)] == [
+        2e-3, 2e-3, 1e-3, 6e-4, 3e-4, 2e-4
+    ]  # fmt: skip
+    args = train_args(corpus, tmp_path / "run", tiny_config, "--steps", 12, "--log-every", 1)
+    default = args[: args.index("--lr")] + args[args.index("--lr") + 2 :]
+    assert main(default) == 0
+    assert "lr 0.002 (default for d_model 32)" in capsys.readouterr().err
+    assert max(r["lr"] for r in rows(tmp_path / "run") if "lr" in r) == pytest.approx(2e-3)
+    given = train_args(corpus, tmp_path / "given", tiny_config, "--steps", 12, "--log-every", 1)
+    assert main(given) == 0
+    assert "default for d_model" not in capsys.readouterr().err
+    assert max(r["lr"] for r in rows(tmp_path / "given") if "lr" in r) == pytest.approx(3e-3)
+
+
 def test_a_time_limited_run_stops_near_its_plan(lm, corpus, tiny_config, tmp_path, capsys):
     out = tmp_path / "timed"
     args = train_args(corpus, out, tiny_config, "--max-minutes", "0.1", "--eval-every", 0)

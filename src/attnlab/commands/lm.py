@@ -33,6 +33,8 @@ def _add_train(actions: argparse._SubParsersAction) -> None:
     sub = _command(actions, "train", cmd_lm_train,
                    "train a GPT on text files (resumable)", _LM_OPTIONS)  # fmt: skip
     _add_run_flags(sub, "output directory (a GPT model folder)")
+    lr = next(action for action in sub._actions if action.dest == "lr")
+    lr.help += " (default: by the model's width, printed at the start; docs/lm.md)"
     sub.add_argument("--corpus", nargs="+", metavar="FILE", help="UTF-8 training text files")
     sub.add_argument("--valid", nargs="+", metavar="FILE",
                      help="held-out text (default: the corpus's last 10%%)")  # fmt: skip

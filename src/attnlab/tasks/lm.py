@@ -59,6 +59,11 @@ from attnlab.train.trainer import TrainConfig, Trainer, check_run_out, has_check
 RUN_FILE = "lm_run.json"  # in --out: the model config and the planned length a resume reuses
 HELD_OUT_SHARE = 0.1
 GPT_BETAS, GPT_EPS = (0.9, 0.99), 1e-8  # nanoGPT's (beta2 0.99 for its small models)
+# (largest d_model, peak learning rate): the first row whose width fits the model's. Narrower
+# models take larger rates: GPT-3's table 2.1 (Brown et al. 2020) gives 6e-4 at 768 and 3e-4
+# at 1024, nanoGPT's baby GPT 1e-3 at 384; gpt-char's 192 learns fastest here at 2e-3
+# (bench/RESULTS.md, language-model quality).
+LR_BY_WIDTH = ((256, 2e-3), (512, 1e-3), (768, 6e-4), (1024, 3e-4), (math.inf, 2e-4))
 
 
 @dataclass(kw_only=True)
@@ -78,7 +83,7 @@ class LMOptions(RunOptions):
     grad_accum: int = 1
     steps: int = 5000
     max_minutes: float | None = None
-    lr: float = 1e-3
+    lr: float | None = None  # None: by the model's width (LR_BY_WIDTH), printed by the run
     warmup: int | None = None  # None: 10% of the steps the run makes, at most 1000
     weight_decay: float = 0.1
     clip_norm: float = 1.0
@@ -102,7 +107,9 @@ class LMOptions(RunOptions):
 
     def validate(self) -> None:
         """Raise AttnlabError for impossible settings, before anything is read or written."""
-        super().validate()
+        # RunOptions checks a given lr; None is the run's to choose (default_lr)
+        given = self if self.lr is not None else dataclasses.replace(self, lr=1.0)
+        super(LMOptions, given).validate()
         if not self.corpus:
             raise AttnlabError("corpus: give at least one text file", options=("corpus",))
         for name in ("seq_len", "batch_size", "grad_accum", "steps"):
@@ -321,6 +328,11 @@ def _training_device() -> torch.device:
     return torch.device("cpu")
 
 
+def default_lr(d_model: int) -> float:
+    """The peak learning rate of LR_BY_WIDTH for a model of this width."""
+    return next(lr for width, lr in LR_BY_WIDTH if d_model <= width)
+
+
 def plan_run(opts: LMOptions, config: GPTConfig, measured: tuple[float, float] | None) -> RunPlan:
     """The steps (the clock's share under max_minutes) and a warm-up of at most 10% of them."""
     steps = opts.steps
@@ -432,6 +444,10 @@ class LMJob(Job):
             self.model = load_gpt(self.opts.init).train()
         else:
             self.model = GPT(config)
+        if self.opts.lr is None:  # the same on every rank and on resume: the width decides
+            d_model = self.model.config.d_model
+            self.opts.lr = default_lr(d_model)
+            self.data.notes.append(f"lr {self.opts.lr:g} (default for d_model {d_model})")
 
     def start_out(self) -> None:
         """Clear --overwrite's old run; write the tokenizer and plan the other ranks read."""
