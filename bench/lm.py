@@ -23,7 +23,11 @@ The quality figure (issue 39 item 7c) is a CLI run, not this script:
         open('/tmp/held.txt', 'w').write(t[int(len(t) * 0.9):])"   # the run's held-out 10%
     attnlab lm eval --model runs/shakespeare --data /tmp/held.txt --stride 128 --seq-len 256
 
-Usage: python bench/lm.py train [--preset gpt-char] [--batch-size 32] [--seq-len 256]
+``train --ceiling`` also profiles each side's step (torch.profiler) and prints the time spent
+in the kernels both sides run alike (products, fused attention, fused AdamW): HF's step time
+over its own time in them is the most any implementation of the same kernels could gain.
+
+Usage: python bench/lm.py train [--preset gpt-char] [--batch-size 32] [--seq-len 256] [--ceiling]
        python bench/lm.py generate [--preset gpt-char] [--new-tokens 256]
 """
 
@@ -33,6 +37,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -99,6 +104,34 @@ def bench_train(args: argparse.Namespace) -> None:
         print(
             f"{name:8} train {tokens / seconds:10.0f} tokens/s ({seconds / args.steps:.3f} s/step)"
         )
+        if args.ceiling:
+            print_kernel_share(name, one_step, data)
+
+
+# The kernels any implementation of the step runs as HF does: the products, PyTorch's fused
+# attention (forward and backward) and the fused AdamW step.
+SHARED_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_fused_adamw_",
+                  "aten::_scaled_dot_product_flash_attention_for_cpu",
+                  "aten::_scaled_dot_product_flash_attention_for_cpu_backward")  # fmt: skip
+
+
+def print_kernel_share(name: str, step: Callable[[dict], float], data: list[dict]) -> None:
+    """Seconds a step spends in SHARED_KERNELS under torch.profiler, of the step's total.
+
+    For HF's step, total / shared is the speed-up a step with no other cost would have over it:
+    the ceiling of any implementation running the same kernels.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for batch in data:
+            step(batch)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) / len(data) / 1e6
+    shared = sum(e.self_cpu_time_total for e in events if e.key in SHARED_KERNELS)
+    shared = shared / len(data) / 1e6
+    print(f"{name:8} profiled {total:.3f} s/step, {shared:.3f} in the shared kernels "
+          f"({shared / total:.0%}; total / shared {total / shared:.2f}x)")  # fmt: skip
 
 
 def bench_generate(args: argparse.Namespace) -> None:
@@ -140,6 +173,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ceiling", action="store_true",
+                        help="train: also profile each step's time in the shared kernels")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(machine(), f"| {args.mode} {args.preset} fp32", time.strftime("%Y-%m-%d %H:%M"))
