@@ -38,11 +38,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import SHARED_DATA, machine
 from lm import hf_step
 
-from attnlab.tasks.lm import GPT_BETAS, GPT_EPS, HELD_OUT_SHARE, load_lm, score_stream
+from attnlab.tasks.lm import GPT_BETAS, GPT_EPS, HELD_OUT_SHARE, default_lr, load_lm, score_stream
 from attnlab.text.token_stream import TokenStream, WindowBatches, held_out_split
 from attnlab.train.optim import build_optimizer
 
-SEQ_LEN, BATCH, STRIDE, LR = 256, 32, 128, 2e-3  # LR: attnlab's default at d_model 192
+SEQ_LEN, BATCH, STRIDE = 256, 32, 128
+LR = default_lr(192)  # the peak rate attnlab's lm train gives gpt-char's width
 
 
 def train_attnlab(corpus: Path, out: Path, minutes: float, threads: int) -> dict[str, Any]:
