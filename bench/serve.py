@@ -20,13 +20,17 @@ with --threads torch threads:
   (c) attnlab's offline `embed` (attnlab.tasks.embed.embed) over all the sentences at once,
       in this process, as the ceiling a server can approach.
 
-The servers run one after the other (never side by side); the clients share the machine
-with the server, as clients on the same host would. Before the load, a few sentences are
-sent to both servers and their vectors compared (min cosine). The table goes to stderr and
-one JSON line with every figure to stdout, with the ratios issue 42 names (16 clients:
-sentences/s of (a) against (b), target >= 3x, and against (c), target >= 0.8x).
+Both servers are started at once, but only one is under load at a time (the other idles);
+the clients share the machine with the server, as clients on the same host would. Before
+the load, a few sentences are sent to both servers and their vectors compared (min cosine).
+Then --rounds rounds (default 3): offline embed once, and each level on (a) and (b) in turn,
+the order reversed every round, so that a host whose speed drifts over minutes moves both
+sides alike. Each figure is the median round's (p50/p99 from that same run); every round's
+sentences/s is in the JSON. The table goes to stderr and one JSON line with every figure to
+stdout, with the ratios issue 42 names (16 clients: sentences/s of (a) against (b), target
+>= 3x, and against (c), target >= 0.8x).
 
-Usage: python bench/serve.py [--threads 2] [--seconds 10] [--clients 1,4,16,64]
+Usage: python bench/serve.py [--threads 2] [--seconds 10] [--clients 1,4,16,64] [--rounds 3]
                              [--max-batch-tokens N] [--max-wait-ms T]
 """
 
@@ -260,48 +264,84 @@ def load_level(port: int, sentences: list[str], clients: int, warmup: float, sec
     }
 
 
-def bench_server(name: str, command: list[str], sentences: list[str], args) -> tuple[list, list]:
-    """Start a server, embed the check sentences, run every load level, stop it."""
-    print(f"{name}: starting {' '.join(command[1:])}", file=sys.stderr)
-    server = Server(command)
+def check_vectors(name: str, server: Server, sentences: list[str]) -> list:
+    """The check sentences' vectors from a started server."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    vectors = post_embeddings(connection, sentences[:CHECK_SENTENCES])
+    connection.close()
+    if vectors is None:
+        raise SystemExit(f"{name}: the check request failed:\n" + "".join(server.log))
+    return vectors
+
+
+def bench_servers(commands: dict[str, list[str]], sentences: list[str], offline: Offline,
+                  args) -> tuple[dict, dict, list[float]]:  # fmt: skip
+    """Start both servers, then per round: offline embed, and each level on both servers in
+    turn (the order reversed every round). Returns the check vectors, every level's runs
+    per server, and the offline rates."""
+    servers: dict[str, Server] = {}
     try:
-        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-        vectors = post_embeddings(connection, sentences[:CHECK_SENTENCES])
-        connection.close()
-        if vectors is None:
-            raise SystemExit(f"{name}: the check request failed:\n" + "".join(server.log))
-        levels = []
-        for clients in args.clients:
-            level = load_level(server.port, sentences, clients, args.warmup, args.seconds)
-            print(f"{name}: {clients:3d} clients {level['sentences_per_s']:8.1f} sentences/s",
+        for name, command in commands.items():
+            print(f"{name}: starting {' '.join(command[1:])}", file=sys.stderr)
+            servers[name] = Server(command)
+        checks = {name: check_vectors(name, server, sentences) for name, server in servers.items()}
+        runs: dict[str, dict[int, list[dict]]] = {name: {} for name in servers}
+        offline_rates = []
+        for round_ in range(args.rounds):
+            offline_rates.append(offline.rate())
+            print(f"round {round_ + 1}: offline embed {offline_rates[-1]:.1f} sentences/s",
                   file=sys.stderr)  # fmt: skip
-            levels.append(level)
+            names = list(servers) if round_ % 2 == 0 else list(reversed(servers))
+            for clients in args.clients:
+                for name in names:
+                    level = load_level(servers[name].port, sentences, clients, args.warmup,
+                                       args.seconds)  # fmt: skip
+                    runs[name].setdefault(clients, []).append(level)
+                    print(f"round {round_ + 1}: {name:7s} {clients:3d} clients "
+                          f"{level['sentences_per_s']:8.1f} sentences/s", file=sys.stderr)  # fmt: skip
     finally:
-        server.stop()
-    return vectors, levels
+        for server in servers.values():
+            server.stop()
+    return checks, runs, offline_rates
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median sentences/s (the lower middle one of an even count), with every
+    run's sentences/s beside it."""
+    ordered = sorted(runs, key=lambda run: run["sentences_per_s"])
+    return {**ordered[(len(ordered) - 1) // 2],
+            "rounds_sentences_per_s": [run["sentences_per_s"] for run in runs]}  # fmt: skip
 
 
 # ------------------------------------------------------------------------- offline embed
 
 
-def offline_embed(model_dir: str, sentences: list[str], threads: int, repeats: int = 2) -> dict:
+class Offline:
     """attnlab's `embed` over every sentence at once (as /v1/embeddings: mean, L2, 256 tokens)."""
-    import torch
 
-    from attnlab.interop.hf import load_bert, sentence_max_length
-    from attnlab.tasks.embed import embed
-    from attnlab.text.tokenizer import BertTokenizer
+    def __init__(self, model_dir: str, sentences: list[str], threads: int) -> None:
+        import torch
 
-    torch.set_num_threads(threads)
-    model, tokenizer = load_bert(model_dir), BertTokenizer.from_dir(model_dir)
-    max_length = min(sentence_max_length(Path(model_dir)) or 10**9, model.config.max_positions)
-    embed(model, tokenizer, sentences[:64], normalize=True, max_length=max_length)  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
+        from attnlab.interop.hf import load_bert, sentence_max_length
+        from attnlab.text.tokenizer import BertTokenizer
+
+        torch.set_num_threads(threads)
+        self.model, self.tokenizer = load_bert(model_dir), BertTokenizer.from_dir(model_dir)
+        self.sentences = sentences
+        self.max_length = min(sentence_max_length(Path(model_dir)) or 10**9,
+                              self.model.config.max_positions)  # fmt: skip
+        self._embed(sentences[:64])  # warm-up
+
+    def _embed(self, sentences: list[str]) -> None:
+        from attnlab.tasks.embed import embed
+
+        embed(self.model, self.tokenizer, sentences, normalize=True, max_length=self.max_length)
+
+    def rate(self) -> float:
+        """Sentences/s of one pass over every sentence."""
         began = time.perf_counter()
-        embed(model, tokenizer, sentences, normalize=True, max_length=max_length)
-        best = min(best, time.perf_counter() - began)
-    return {"seconds": best, "sentences_per_s": len(sentences) / best, "max_length": max_length}
+        self._embed(self.sentences)
+        return len(self.sentences) / (time.perf_counter() - began)
 
 
 # ------------------------------------------------------------------------- main
@@ -315,6 +355,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=10.0, help="measured window per level")
     parser.add_argument("--warmup", type=float, default=2.0, help="warm-up seconds per level")
     parser.add_argument("--clients", default="1,4,16,64", help="concurrent clients per level")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (median kept)")
     parser.add_argument("--max-batch-tokens", type=int, help="passed on to attnlab serve")
     parser.add_argument("--max-wait-ms", type=float, help="passed on to attnlab serve")
     parser.add_argument("--hf-server", action="store_true", help=argparse.SUPPRESS)
@@ -398,7 +439,7 @@ def report(args, sentences, offline, levels, cosine) -> None:
 
 
 def main() -> None:
-    """Offline embed, then the attnlab server, then the HF server, each at every level."""
+    """Both servers started; rounds of offline embed and every level on each server in turn."""
     args = parse_args()
     if args.hf_server:
         run_hf_server(args.model, args.port, args.threads, args.max_length)
@@ -406,12 +447,14 @@ def main() -> None:
     sentences = load_sentences()
     print(f"machine: {machine()}; {len(sentences)} sentences, {args.threads} threads",
           file=sys.stderr)  # fmt: skip
-    offline = offline_embed(args.model, sentences, args.threads)
-    print(f"offline embed: {offline['sentences_per_s']:.1f} sentences/s", file=sys.stderr)
-    levels, checks = {}, {}
-    for name, command in commands(args, offline["max_length"]).items():
-        checks[name], levels[name] = bench_server(name, command, sentences, args)
-    report(args, sentences, offline, levels, cosine_min(checks["attnlab"], checks["hf"]))
+    offline = Offline(args.model, sentences, args.threads)
+    checks, runs, offline_rates = bench_servers(commands(args, offline.max_length), sentences,
+                                                offline, args)  # fmt: skip
+    levels = {name: [median_run(by_level[n]) for n in args.clients]
+              for name, by_level in runs.items()}  # fmt: skip
+    offline_summary = {"sentences_per_s": sorted(offline_rates)[(len(offline_rates) - 1) // 2],
+                       "rounds_sentences_per_s": offline_rates, "max_length": offline.max_length}  # fmt: skip
+    report(args, sentences, offline_summary, levels, cosine_min(checks["attnlab"], checks["hf"]))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Usage:
   python bench/speedup_ab.py --speedups attention,dropout --rounds 3 --metric seconds -- \
       python bench/pretrain.py --preset bert-small --threads 2 --steps 8 --only attnlab
 --metric is a dotted path into the last JSON line the benchmark prints (e.g.
-``results.attnlab.seconds``); a name with "seconds" in it is a time (lower is better),
+``results.attnlab.seconds``, or ``attnlab.0.sentences_per_s`` for a list's first item); a name with "seconds" in it is a time (lower is better),
 anything else a rate (higher is better).
 """
 
@@ -74,8 +74,8 @@ def run_once(
     if child.returncode != 0:
         raise SystemExit(f"{' '.join(command)} with ATTNLAB_SPEEDUPS={speedups} failed")
     value: object = json.loads(output.strip().splitlines()[-1])
-    for key in metric.split("."):
-        value = value[key]  # type: ignore[index]
+    for key in metric.split("."):  # a number picks a list's item
+        value = value[int(key)] if isinstance(value, list) else value[key]  # type: ignore[index]
     return float(value), usage.ru_maxrss / 1024  # Linux reports KiB
 
 

@@ -316,6 +316,79 @@ def test_fast_encoder_with_keep_equals_plain(
         torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-5)
 
 
+# --- the unpadded encoder: no layer computes padding ---------------------------------------------
+
+
+def _padded_batch() -> tuple[Tensor, Tensor]:
+    """x (3, 9, D_MODEL) and its 0/1 mask: one full row, two rows ending in padding."""
+    x = torch.randn(3, 9, D_MODEL)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, 5:] = 0
+    mask[2, 2:] = 0
+    return x, mask
+
+
+KEEPS = {
+    "every real token": lambda mask: mask.bool(),
+    "[CLS] alone": lambda mask: torch.arange(mask.shape[1]) == 0,
+    "a padding position too": lambda mask: mask.bool() | (torch.arange(mask.shape[1]) == 7),
+}
+
+
+@pytest.mark.parametrize("keep_name", list(KEEPS))
+@pytest.mark.parametrize("share_layers", [False, True])
+@pytest.mark.parametrize("use_rope", [False, True])
+@pytest.mark.parametrize("norm_position", NORMS)
+def test_unpadded_encoder_equals_plain_and_computes_no_padding(
+    monkeypatch, norm_position: str, use_rope: bool, share_layers: bool, keep_name: str
+) -> None:
+    # The plain encoder computes every position and returns full[keep]. The twin computes the
+    # real tokens (and the kept positions) only, in every layer: its layers see fewer rows.
+    import attnlab.fast.attention as fast_attention
+
+    torch.manual_seed(33)
+    plain = Encoder(3, norm_position, share_layers=share_layers, **LAYER, dropout=0.1).eval()
+    twin = swap(copy.deepcopy(plain), chosen(INFERENCE, "all"))
+    assert isinstance(twin, fast_attention.UnpaddedEncoder)
+    x, mask = _padded_batch()
+    keep = KEEPS[keep_name](mask).expand_as(mask)
+    rows_seen = []
+    unpadded_layer = fast_attention.unpadded_layer
+
+    def counting(layer: EncoderLayer, rows: Tensor, *args, **kwargs) -> Tensor:
+        rows_seen.append(len(rows))
+        return unpadded_layer(layer, rows, *args, **kwargs)
+
+    monkeypatch.setattr(fast_attention, "unpadded_layer", counting)
+    rope = RotaryPositions(D_HEAD).rotary(torch.arange(9)) if use_rope else None
+    with torch.no_grad():
+        want = plain(x, bias=padding_bias(mask, x.dtype), rope=rope, keep=keep)[0]
+        got = twin(x, bias=padding_bias(mask, x.dtype), rope=rope, keep=keep)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert rows_seen == [int((mask.bool() | keep).sum())] * 3  # 16 (or 18) of 27 positions
+
+
+def test_unpadded_encoder_keeps_the_general_path_where_it_does_not_serve(monkeypatch) -> None:
+    # Training (dropout), a positional bias per query, no padding and no keep all take the
+    # plain computation, with the same result as the plain encoder.
+    import attnlab.fast.attention as fast_attention
+
+    monkeypatch.setattr(fast_attention, "unpadded_layer", None)  # any use fails
+    torch.manual_seed(34)
+    plain = Encoder(2, **LAYER, dropout=0.0).eval()
+    twin = swap(copy.deepcopy(plain), chosen(INFERENCE, "all"))
+    x, mask = _padded_batch()
+    keep, bias = mask.bool(), padding_bias(mask, x.dtype)
+    per_query = bias + torch.randn(1, N_HEADS, 9, 9)  # e.g. ALiBi on top of the padding
+    no_padding = padding_bias(torch.ones_like(mask), x.dtype)
+    with torch.no_grad():
+        for args in ((bias, None), (per_query, keep), (no_padding, keep)):
+            torch.testing.assert_close(twin(x, *args[:1], keep=args[1])[0],
+                                       plain(x, *args[:1], keep=args[1])[0])  # fmt: skip
+        twin.train(), plain.train()
+        torch.testing.assert_close(twin(x, bias, keep=keep)[0], plain(x, bias, keep=keep)[0])
+
+
 def test_fast_encoder_layer_without_a_fast_attention_computes_every_row() -> None:
     # kept_rows chosen alone: the layer cannot ask its plain attention for some rows, so it
     # computes them all and keeps the rows asked for.

@@ -10,6 +10,9 @@ serve (tensors off the CPU, code traced by ``torch.compile``):
   keys without copies (``_to_groups``); and queries at chosen positions only (``query_rows``).
 - ``FastEncoderLayer`` and ``FastEncoder``: with BertModel's ``keep``, the last layer
   computes only the kept positions (``KeptRows``), which still attend to every position.
+- ``UnpaddedEncoder``: in evaluation with ``keep``, no layer computes padding. The
+  position-wise parts (projections, feed-forward, LayerNorm) run on the real rows only, packed
+  one after another; attention alone sees them in the padded (batch, seq) layout.
 """
 
 from __future__ import annotations
@@ -402,3 +405,106 @@ class FastEncoder(Encoder):
         if self.final_norm is not None:
             x = self.final_norm(x)
         return x, [], []
+
+
+# --- no work on padding ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RealRows:
+    """Where an unpadded encoder's rows sit in the padded (batch, seq) layout.
+
+    ``rows`` (count,) are the flat indices (into batch * seq) of the positions computed: those
+    some query attends to (keys that are not padding) and those the caller keeps, ascending,
+    so ``x.flatten(0, 1)[rows]`` packs them in row-major order. ``kept`` (kept count,) are the
+    places within ``rows`` of the kept positions: ``packed[kept]`` is ``full[keep]``.
+    """
+
+    shape: tuple[int, int]  # (batch, seq)
+    rows: Tensor
+    kept: Tensor
+
+    @classmethod
+    def of(cls, bias: Tensor, keep: Tensor) -> RealRows | None:
+        """The rows of a key-padding bias (batch or 1, 1, 1, seq) and a keep mask (batch, seq),
+        or None when there is nothing to leave out (or the bias is not a key mask alone)."""
+        if bias.dim() != 4 or bias.shape[1] != 1 or bias.shape[2] != 1:
+            return None  # a positional bias per query: keep the general path
+        seen = (bias[:, 0, 0, :] > torch.finfo(bias.dtype).min).expand_as(keep)
+        computed = seen | keep
+        if bool(computed.all()):
+            return None
+        flat = computed.flatten()
+        return cls(
+            (keep.shape[0], keep.shape[1]),
+            flat.nonzero().squeeze(1),
+            keep.flatten()[flat].nonzero().squeeze(1),
+        )
+
+    def scatter(self, packed: Tensor) -> Tensor:
+        """(count, d) packed rows -> (batch, seq, d), zeros at the positions left out."""
+        full = packed.new_zeros(self.shape[0] * self.shape[1], packed.shape[-1])
+        return full.index_copy_(0, self.rows, packed).view(*self.shape, -1)
+
+
+def unpadded_layer(
+    layer: EncoderLayer,
+    x: Tensor,
+    at: RealRows,
+    bias: Tensor,
+    rope: tuple[Tensor, Tensor] | None,
+    last: bool,
+) -> Tensor:
+    """EncoderLayer.forward on the packed rows x (count, d_model) only; the last layer outputs
+    just the kept rows (kept count, d_model). Attention runs in the padded layout."""
+    attn, residual = layer.self_attn, layer.attn_residual
+    q, k, v = attn.split_heads(at.scatter(attn.qkv_proj(residual.sublayer_input(x))), 3)
+    if rope is not None:
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+    out, _ = attn.attend(q, k, v, bias, False, False)
+    wanted = at.rows[at.kept] if last else at.rows
+    h = attn.out_proj(attn.merge_heads(out).flatten(0, 1).index_select(0, wanted))
+    x = residual(x[at.kept] if last else x, h)
+    return layer.ffn_residual(x, layer.ffn(layer.ffn_residual.sublayer_input(x)))
+
+
+class UnpaddedEncoder(FastEncoder):
+    """FastEncoder that, in evaluation with ``keep``, computes no padding in any layer."""
+
+    def forward(
+        self,
+        x: Tensor,
+        bias: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        need_weights: bool = False,
+        output_hidden_states: bool = False,
+        keep: Tensor | None = None,
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """As Encoder.forward; the packed route serves evaluation (no dropout) on CPU of
+        self-attention layers with a key-padding bias, when ``keep`` is given."""
+        at = None
+        if self._serves(x, bias, keep, need_weights or output_hidden_states):
+            at = RealRows.of(bias, keep)  # type: ignore[arg-type]
+        if at is None:
+            return super().forward(x, bias, rope, need_weights, output_hidden_states, keep)
+        layers = self.stack()
+        x = x.flatten(0, 1).index_select(0, at.rows)
+        for i, layer in enumerate(layers):
+            x = unpadded_layer(layer, x, at, bias, rope, last=i == len(layers) - 1)  # type: ignore[arg-type]
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return x, [], []
+
+    def _serves(
+        self, x: Tensor, bias: Tensor | None, keep: Tensor | None, full_outputs: bool
+    ) -> bool:
+        plain_attention = (MultiHeadAttention, FastMultiHeadAttention)  # not Shaw's
+        return (
+            keep is not None
+            and bias is not None
+            and not full_outputs
+            and not self.training
+            and _on_cpu(x)
+            and bool(keep.any())
+            and all(type(layer.self_attn) in plain_attention for layer in self.layers)
+        )

@@ -17,10 +17,6 @@ from typing import Any
 from attnlab import fast
 from attnlab.errors import AttnlabError
 
-# A gathered batch mixes short and long texts: embed cuts its length-sorted texts into model
-# calls of this many padded tokens, so short texts are not padded to the batch's longest.
-EMBED_BATCH_TOKENS = 384
-
 
 class EncoderModel:
     """A BERT: sentence embeddings (tasks/embed.py) and, with its MLM head, fill-mask."""
@@ -68,8 +64,7 @@ class EncoderModel:
         op, option = key  # type: ignore[misc]
         if op == "embed":
             vectors = embed(self.model, self.tokenizer, texts, pooling=self.pooling,
-                            normalize=option, max_length=self.max_length,
-                            max_tokens=EMBED_BATCH_TOKENS)  # fmt: skip
+                            normalize=option, max_length=self.max_length)  # fmt: skip
             return torch.stack(vectors).tolist() if vectors else []  # one copy, one conversion
         return [fill_mask(self.model, self.tokenizer, text, top_k=option) for text in texts]
 

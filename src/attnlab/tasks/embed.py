@@ -1,12 +1,11 @@
 """Sentence embeddings from a BERT encoder: [CLS] or mean pooling, batched without waste.
 
-Speed comes from the batching, not from the model: texts are sorted by token length and cut
-into batches by a token budget, so padding stays near zero; results are written back in input
-order. The default budget (2,048 tokens) is measured, not guessed: it keeps each layer's
-activations (tokens x d_ff floats) small enough to stay in cache and below glibc's 32 MB mmap
-threshold, so buffers are reused instead of page-faulted in afresh every layer; 8,192-token
-batches ran about 25% slower on the benchmark machine (bench/RESULTS.md).
-"""
+Speed comes from the batching: texts are sorted by token length and cut into batches by a
+token budget, so padding stays near zero; results are written back in input order. The
+encoder is asked for the rows pooling reads only (``keep``), so its fast twins compute no
+padding either. The default budget (2,048 tokens) keeps each layer's activations (tokens x
+d_ff floats) small enough to stay in cache and below glibc's 32 MB mmap threshold, so buffers
+are reused instead of page-faulted in afresh every layer; larger budgets ran slower."""
 
 from __future__ import annotations
 
@@ -161,17 +160,21 @@ def _embed_batch(
     ids, mask, types = (
         t.to(device) for t in (batch.input_ids, batch.attention_mask, batch.token_type_ids)
     )
-    # [CLS] pooling reads one row, so the last layer computes only that row.
-    keep = cls_only(ids) if pooling == "cls" else None
+    # The positions pooling reads: [CLS] alone, or every real token. The encoder returns just
+    # those rows, (count, d), and its fast twins compute nothing else (no padding).
+    keep = cls_only(ids) if pooling == "cls" else mask.bool()
     with torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext():
-        hidden = model(
-            ids, mask, types, keep=keep
-        ).last_hidden_state.float()  # (batch, d) with keep
-    if pooling == "none":  # per-token vectors, each unit length with normalize
-        rows = F.normalize(hidden, dim=-1) if normalize else hidden
-        lengths = batch.attention_mask.sum(1).tolist()
-        return [rows[row, :n].clone() for row, n in enumerate(lengths)]
-    vectors = hidden if keep is not None else mean_pool(hidden, mask)
+        rows = model(ids, mask, types, keep=keep).last_hidden_state.float()
+    if pooling == "cls":
+        vectors = rows  # (batch, d)
+    else:
+        hidden = rows.new_zeros(*keep.shape, rows.shape[-1])  # (batch, seq, d), padding 0
+        hidden[keep] = rows
+        if pooling == "none":  # per-token vectors, each unit length with normalize
+            hidden = F.normalize(hidden, dim=-1) if normalize else hidden
+            lengths = batch.attention_mask.sum(1).tolist()
+            return [hidden[row, :n].clone() for row, n in enumerate(lengths)]
+        vectors = mean_pool(hidden, mask)
     if normalize:
         vectors = F.normalize(vectors, dim=-1)
     return list(vectors)
