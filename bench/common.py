@@ -109,8 +109,8 @@ def training_step(
     """The trainer's step (forward, backward, clip to 1.0, AdamW step) as a function of a batch.
 
     With the trainer's speed-ups that ATTNLAB_SPEEDUPS selects (fast/training.py): kept
-    embedding gradients (unless ``keep_grads`` is False, as under compile), clipping inside
-    fused AdamW's step, glibc keeping freed memory. The model's twins are the caller's choice
+    embedding gradients (unless ``keep_grads`` is False, as under compile) and glibc keeping
+    freed memory. The model's twins are the caller's choice
     (``attnlab.fast.for_training``).
     """
     from attnlab.fast.swap import TRAINING, chosen
@@ -121,13 +121,12 @@ def training_step(
         keep_freed_memory()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
     kept = kept_embedding_grads(model) if keep_grads and "embedding_grads" in names else None
-    in_step = "clip_in_step" in names
 
     def step(batch: dict[str, torch.Tensor]) -> float:
         with autocast, kept or nullcontext():  # the lookups' kind is fixed in the forward pass
             loss = model(**batch)["loss"]
         loss.backward()
-        clipped_step(optimizer, model.parameters(), 1.0, kept, in_step=in_step)
+        clipped_step(optimizer, model.parameters(), 1.0, kept)
         optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 

@@ -15,9 +15,8 @@ import torch.nn.functional as F
 
 from attnlab import fast
 from attnlab.fast.attention import cpu_attention as scaled_dot_product_attention
-from attnlab.fast.dropout import FastDropout, FastResidual, add_dropout, dropout, keep_mask
+from attnlab.fast.dropout import dropout, keep_mask
 from attnlab.nn.attention import MultiHeadAttention, padding_bias
-from attnlab.nn.blocks import Residual
 
 
 def training_attention(*args: object, **kwargs: object) -> MultiHeadAttention:
@@ -74,11 +73,9 @@ def test_gradient_is_masked_and_scaled_like_the_output() -> None:
 
 def test_evaluation_zero_and_one() -> None:
     x = torch.randn(8, 8)
-    module = fast.for_training(torch.nn.Dropout(0.5), "dropout").eval()
-    assert type(module) is FastDropout and module(x) is x
+    assert dropout(x, 0.5, training=False) is x
     assert dropout(x, 0.0) is x
     assert torch.equal(dropout(x, 1.0), torch.zeros_like(x))
-    assert module.p == 0.5 and module.state_dict() == {}
 
 
 def test_same_seed_same_mask() -> None:
@@ -129,43 +126,6 @@ def test_matches_torch_dropout_in_distribution() -> None:
     ours, theirs = dropout(x, 0.1), F.dropout(x, 0.1)
     assert abs((ours == 0).float().mean() - (theirs == 0).float().mean()) < 0.003
     assert abs(ours.mean() - theirs.mean()) < 0.003
-
-
-def test_residual_sum_equals_x_plus_dropout_with_the_same_mask() -> None:
-    g = torch.Generator().manual_seed(10)
-    x, h, upstream = (torch.randn(4, 9, 16, generator=g) for _ in range(3))
-    leaves = [t.clone().requires_grad_(True) for t in (x, h, x, h)]
-    torch.manual_seed(11)
-    fused = add_dropout(leaves[0], leaves[1], 0.1)
-    torch.manual_seed(11)
-    reference = leaves[2] + dropout(leaves[3], 0.1)  # the unfused definition
-    torch.testing.assert_close(fused, reference, rtol=0, atol=1e-6)
-    assert 0.05 < (fused == leaves[0]).float().mean().item() < 0.15  # about p dropped
-    (fused * upstream).sum().backward()
-    (reference * upstream).sum().backward()
-    torch.testing.assert_close(leaves[0].grad, upstream)  # the residual path: untouched
-    torch.testing.assert_close(leaves[1].grad, leaves[3].grad, rtol=0, atol=1e-6)
-    norm = torch.nn.LayerNorm(16)
-    module = fast.for_training(Residual(norm, 0.1, pre_norm=False), "residual").eval()
-    assert type(module) is FastResidual
-    assert torch.equal(module.add(x, h), x + h)  # evaluation: a plain sum
-
-
-def test_fast_dropout_and_residual_twins_equal_the_plain_modules_with_the_same_mask() -> None:
-    # The plain modules drop with F.dropout's mask; the twins with keep_mask's. Given the
-    # twin's mask, the plain formula x + h * keep / (1 - p) is what the twins compute.
-    g = torch.Generator().manual_seed(20)
-    x, h = torch.randn(3, 5, 8, generator=g), torch.randn(3, 5, 8, generator=g)
-    residual = fast.for_training(Residual(torch.nn.LayerNorm(8), 0.3, False), "residual,dropout")
-    assert type(residual) is FastResidual and type(residual.dropout) is FastDropout
-    torch.manual_seed(21)
-    keep = keep_mask(h.shape, 0.3, h.device)
-    scale = 65536 / (65536 - round(0.3 * 65536))
-    for run in (lambda: residual.add(x, h), lambda: x + residual.dropout(h)):
-        torch.manual_seed(21)
-        torch.testing.assert_close(run(), x + h * keep * scale, rtol=0, atol=1e-6)
-    fast.to_plain(residual)
-    assert type(residual) is Residual and type(residual.dropout) is torch.nn.Dropout
 
 
 @pytest.mark.parametrize("case", ["self", "padded", "causal", "rows", "cross"])

@@ -1,7 +1,8 @@
-"""Fast twins of ``nn.Dropout`` and of the residual sum ``x + dropout(h)``: a cheaper CPU mask.
+"""A cheaper CPU dropout mask, for the attention twin's dropout on the attention weights.
 
-PyTorch's ``F.dropout`` on CPU draws one random number per element with ``bernoulli_``, the
-largest non-product cost of a BERT pretraining step. Here each 64-bit random draw gives four
+PyTorch's ``F.dropout`` on CPU draws one random number per element with ``bernoulli_``; the
+attention weights of a training step are the largest tensor it would draw for (batch x heads
+x seq x seq). Here each 64-bit random draw gives four
 16-bit uniform integers, and an element is dropped when its integer falls among the lowest
 ``round(p * 2**16)`` of the 65,536 values. So the drop rate is p rounded to a multiple of
 2**-16 (0.1 becomes 0.100006), and the survivors are scaled by the reciprocal of the rounded
@@ -10,8 +11,11 @@ fused kernel there.
 
 The 64-bit draws come from numpy's PCG64DXSM, seeded from PyTorch's default generator (one
 seed per mask): so ``torch.manual_seed`` fixes the masks and a checkpoint's RNG state restores
-them (resume stays bit-exact). The masked sum ``base + h * keep * scale`` is one ``addcmul``,
-one pass over the data, for dropout (base 0) and for a residual connection (base x) alike.
+them (resume stays bit-exact). The masked product ``h * keep * scale`` is one ``addcmul``,
+one pass over the data.
+
+The twins of ``nn.Dropout`` and of the residual sum built on this mask were removed: they
+bought under 5% on the pretraining and fine-tuning steps (bench/RESULTS.md, kept speed-ups).
 """
 
 from __future__ import annotations
@@ -21,10 +25,8 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.autograd.function import FunctionCtx
-
-from attnlab.nn.blocks import Residual
 
 _LEVELS = 1 << 16  # values of one 16-bit random integer
 
@@ -90,32 +92,3 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     if has_keep_mask(p):
         return _masked_sum(x.new_zeros(()), x, p)
     return x if round(p * _LEVELS) == 0 else x * 0.0  # p within 2**-17 of 0 or of 1
-
-
-def add_dropout(x: Tensor, h: Tensor, p: float, training: bool = True) -> Tensor:
-    """x + dropout(h, p): a residual connection's sum, one pass on CPU while training."""
-    fused = (
-        training
-        and x.device.type == "cpu"
-        and x.shape == h.shape
-        and x.dtype == h.dtype
-        and has_keep_mask(p)
-        and not torch.compiler.is_compiling()
-    )
-    return _masked_sum(x, h, p) if fused else x + dropout(h, p, training)
-
-
-class FastDropout(nn.Dropout):
-    """Twin of nn.Dropout (same attribute ``p``, no state) with the cheaper CPU mask above."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x -> x with elements dropped and the rest rescaled (training), or x (evaluation)."""
-        return dropout(x, self.p, self.training)
-
-
-class FastResidual(Residual):
-    """Twin of Residual whose sum x + dropout(h) is one masked pass (add_dropout)."""
-
-    def add(self, x: Tensor, h: Tensor) -> Tensor:
-        """x + Dropout(h), with the mask above."""
-        return add_dropout(x, h, self.dropout.p, self.training and self.dropout.training)

@@ -10,7 +10,6 @@ from attnlab.fast.attention import (
     FastMultiHeadAttention,
     UnpaddedEncoder,
 )
-from attnlab.fast.dropout import FastDropout, FastResidual
 from attnlab.fast.linear import (
     FastMLMHead,
     FastTransformer,
@@ -25,7 +24,7 @@ from attnlab.fast.training import TRAINER_SPEEDUPS
 from attnlab.models.bert import BertMLMHead
 from attnlab.models.seq2seq import Transformer
 from attnlab.nn.attention import MultiHeadAttention
-from attnlab.nn.blocks import Encoder, EncoderLayer, FeedForward, Residual
+from attnlab.nn.blocks import Encoder, EncoderLayer, FeedForward
 from attnlab.nn.loss import SummedCrossEntropy, SummedKLDivergence
 
 
@@ -34,8 +33,7 @@ def _always() -> bool:
 
 
 SPEEDUPS: list[Speedup] = [
-    # Linear layers, dropout, losses and the trainer's measures (fast/linear.py, dropout.py,
-    # loss.py, training.py).
+    # Linear layers, losses and the trainer's measures (fast/linear.py, loss.py, training.py).
     Speedup(
         "linear", nn.Linear, TrainingLinear, (TRAINING,), _always,
         "CPU fp32 training products by the faster library (oneDNN or MKL), a contiguous weight "
@@ -57,14 +55,6 @@ SPEEDUPS: list[Speedup] = [
     Speedup(
         "tied_projection", Transformer, FastTransformer, (TRAINING, INFERENCE), _always,
         "the Transformer's tied output projection, likewise",
-    ),
-    Speedup(
-        "dropout", nn.Dropout, FastDropout, (TRAINING,), _always,
-        "CPU dropout masks from four 16-bit integers per 64-bit draw, one masked pass",
-    ),
-    Speedup(
-        "residual", Residual, FastResidual, (TRAINING,), _always,
-        "CPU residual sum x + dropout(h) in one masked pass",
     ),
     Speedup(
         "cross_entropy", SummedCrossEntropy, BlockedCrossEntropy, (TRAINING,), _always,

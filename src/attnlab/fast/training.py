@@ -1,5 +1,5 @@
-"""The trainer's speed-ups that are not modules: kept embedding gradients, clipping inside
-the optimiser's step, freed memory kept by glibc. ``TrainingSpeedups`` hands them to the
+"""The trainer's speed-ups that are not modules: kept embedding gradients and freed memory
+kept by glibc. ``TrainingSpeedups`` hands them to the
 trainer (train/hooks.py), each on unless ``ATTNLAB_SPEEDUPS`` leaves it out by name.
 
 Embedding gradients ("embedding_grads"). A lookup's dense gradient is a fresh (vocab, width)
@@ -12,9 +12,6 @@ arrives second (tied_weight). Either way the optimiser, clipping and checkpoints
 dense ``.grad`` as before; only where it is stored changes. A kept buffer is zero outside the rows this step's lookups touched, and the buffer
 knows which: the next step zeroes only those rows, and the clipping reads and scales only
 those rows instead of the whole table.
-
-Clipping in the step ("clip_in_step"): fused Adam and AdamW divide the gradients by their
-``grad_scale`` as they read them, so clipping costs no pass of its own (clipped_step).
 
 Freed memory kept ("keep_freed_memory"). glibc serves requests above its mmap threshold with
 fresh mappings and returns them when freed, and trims freed memory at the top of its heap. A
@@ -230,36 +227,18 @@ def _scale_(pairs: list[tuple[Tensor, Tensor | None]], scale: Tensor) -> None:
             g.index_copy_(0, r, g.index_select(0, r).mul_(scale))
 
 
-def _takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether optimizer.step() divides the gradients by ``optimizer.grad_scale`` as it reads them."""
-    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and all(
-        group.get("fused") for group in optimizer.param_groups
-    )
-
-
 def clipped_step(
     optimizer: torch.optim.Optimizer,
     parameters: Iterable[Tensor],
     max_norm: float,
     kept: KeptEmbeddingGrads | None,
-    in_step: bool = True,
 ) -> Tensor:
     """optimizer.step() on gradients clipped to a total 2-norm of max_norm; the norm before.
 
-    PyTorch's fused Adam and AdamW divide each gradient by their ``grad_scale`` (there for
-    mixed-precision loss scaling) as they read it: given 1 / the clipping factor they clip
-    in the same pass (``in_step``), and the separate pass that scales every gradient in place
-    is not needed. Other optimizers get the gradients scaled first.
+    A kept embedding buffer's norm and scaling read only the rows this step touched.
     """
     pairs = _grads_and_rows(parameters, kept)
     total = _total_norm(pairs)
-    if max_norm < math.inf and pairs and in_step and _takes_grad_scale(optimizer):
-        optimizer.grad_scale = _clip_coefficient(total, max_norm).reciprocal()
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.grad_scale
-        return total
     if max_norm < math.inf and pairs:
         _scale_(pairs, _clip_coefficient(total, max_norm))
     optimizer.step()
@@ -301,10 +280,6 @@ TRAINER_SPEEDUPS = [
     Speedup(
         "embedding_grads", None, None, (TRAINING,), _always,
         "CPU: large embeddings' gradients as sparse rows into a dense buffer kept across steps",
-    ),
-    Speedup(
-        "clip_in_step", None, None, (TRAINING,), _always,
-        "gradient clipping through fused AdamW's grad_scale, no pass of its own",
     ),
     Speedup(
         "keep_freed_memory", None, None, (TRAINING,), _glibc,
@@ -354,9 +329,7 @@ class TrainingSpeedups(TrainerHooks):
         self, optimizer: torch.optim.Optimizer, parameters: Iterable[Tensor], max_norm: float
     ) -> Tensor:
         """optimizer.step() on clipped gradients (clipped_step); the norm before."""
-        return clipped_step(
-            optimizer, parameters, max_norm, self.kept, in_step="clip_in_step" in self.names
-        )
+        return clipped_step(optimizer, parameters, max_norm, self.kept)
 
 
 def _note_bf16() -> None:

@@ -67,7 +67,7 @@ def clipped_step(
 ) -> Tensor:
     """The plain clipped step (TrainerHooks) on sharded gradients; the total norm as a plain tensor.
 
-    The speed-ups' clipped step reads whole gradients (kept embedding rows, fused clipping):
+    The speed-ups' clipped step reads whole gradients (kept embedding rows):
     under fsdp the trainer takes this one instead.
     """
     norm = TrainerHooks().clipped_step(optimizer, parameters, max_norm)
