@@ -1,6 +1,6 @@
 """The trainer's speed-ups that are not modules: kept embedding gradients and freed memory
-kept by glibc. ``TrainingSpeedups`` hands them to the
-trainer (train/hooks.py), each on unless ``ATTNLAB_SPEEDUPS`` leaves it out by name.
+kept by glibc. ``TrainingSpeedups`` hands them to the trainer (train/hooks.py), each on
+unless ``ATTNLAB_SPEEDUPS`` leaves it out by name.
 
 Embedding gradients ("embedding_grads"). A lookup's dense gradient is a fresh (vocab, width)
 tensor every backward pass: zero-filled, then the looked-up rows added in. On CPU, glibc hands
