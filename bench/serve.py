@@ -43,6 +43,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -308,9 +309,8 @@ def bench_servers(commands: dict[str, list[str]], sentences: list[str], offline:
 def median_run(runs: list[dict]) -> dict:
     """The run of median sentences/s (the lower middle one of an even count), with every
     run's sentences/s beside it."""
-    ordered = sorted(runs, key=lambda run: run["sentences_per_s"])
-    return {**ordered[(len(ordered) - 1) // 2],
-            "rounds_sentences_per_s": [run["sentences_per_s"] for run in runs]}  # fmt: skip
+    rates = [run["sentences_per_s"] for run in runs]
+    return {**runs[rates.index(statistics.median_low(rates))], "rounds_sentences_per_s": rates}
 
 
 # ------------------------------------------------------------------------- offline embed
@@ -452,7 +452,7 @@ def main() -> None:
                                                 offline, args)  # fmt: skip
     levels = {name: [median_run(by_level[n]) for n in args.clients]
               for name, by_level in runs.items()}  # fmt: skip
-    offline_summary = {"sentences_per_s": sorted(offline_rates)[(len(offline_rates) - 1) // 2],
+    offline_summary = {"sentences_per_s": statistics.median_low(offline_rates),
                        "rounds_sentences_per_s": offline_rates, "max_length": offline.max_length}  # fmt: skip
     report(args, sentences, offline_summary, levels, cosine_min(checks["attnlab"], checks["hf"]))
 

@@ -12,7 +12,7 @@ fused kernel there.
 The 64-bit draws come from numpy's PCG64DXSM, seeded from PyTorch's default generator (one
 seed per mask): so ``torch.manual_seed`` fixes the masks and a checkpoint's RNG state restores
 them (resume stays bit-exact). The masked product ``h * keep * scale`` is one ``addcmul``,
-one pass over the data.
+one pass over the data (``_MaskedScale``).
 
 The twins of ``nn.Dropout`` and of the residual sum built on this mask were removed: they
 bought under 5% on the pretraining and fine-tuning steps (bench/RESULTS.md, kept speed-ups).
@@ -45,27 +45,26 @@ def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.devic
     return torch.from_numpy(keep).view(torch.uint8).view(shape).to(device)
 
 
-class _MaskedSum(torch.autograd.Function):
-    """y = base + h * keep * scale in one pass (keep is 0/1); h's gradient is masked the same way.
+class _MaskedScale(torch.autograd.Function):
+    """y = h * keep * scale in one pass (keep is 0/1); h's gradient is masked the same way.
 
-    One ``addcmul`` reads h and the 1-byte mask (and base) and writes y, where ``where`` then
-    ``mul_`` pass over the data twice. A dropped element is h * 0, so an infinite or NaN input
-    gives NaN there.
+    One ``addcmul`` into a 0-d zero reads h and the 1-byte mask and writes y, where ``where``
+    then ``mul_`` pass over the data twice. A dropped element is h * 0, so an infinite or NaN
+    input gives NaN there.
     """
 
     @staticmethod
-    def forward(ctx: FunctionCtx, base: Tensor, h: Tensor, keep: Tensor, scale: float) -> Tensor:
-        """base + h * keep * scale."""
+    def forward(ctx: FunctionCtx, h: Tensor, keep: Tensor, scale: float) -> Tensor:
+        """h * keep * scale."""
         ctx.save_for_backward(keep)
         ctx.scale = scale
-        return torch.addcmul(base, h, keep, value=scale)
+        return torch.addcmul(h.new_zeros(()), h, keep, value=scale)
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, Tensor, None, None]:
-        """The gradient to base as it is, to h masked and scaled."""
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None]:
+        """The gradient to h, masked and scaled."""
         (keep,) = ctx.saved_tensors
-        grad_h = torch.addcmul(grad.new_zeros(()), grad, keep, value=ctx.scale)
-        return (grad if ctx.needs_input_grad[0] else None), grad_h, None, None
+        return torch.addcmul(grad.new_zeros(()), grad, keep, value=ctx.scale), None, None
 
 
 def has_keep_mask(p: float) -> bool:
@@ -78,11 +77,6 @@ def dropout_scale(p: float) -> float:
     return _LEVELS / (_LEVELS - round(p * _LEVELS))
 
 
-def _masked_sum(base: Tensor, h: Tensor, p: float) -> Tensor:
-    """base + dropout(h, p) with the mask above; 0 < round(p * 2**16) < 2**16."""
-    return _MaskedSum.apply(base, h, keep_mask(h.shape, p, h.device), dropout_scale(p))
-
-
 def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     """Inverted dropout of x with drop probability p (identity when not training or p == 0)."""
     if not training or p == 0.0:
@@ -90,5 +84,5 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     if x.device.type != "cpu" or p >= 1.0 or torch.compiler.is_compiling():
         return F.dropout(x, p, training=True)
     if has_keep_mask(p):
-        return _masked_sum(x.new_zeros(()), x, p)
+        return _MaskedScale.apply(x, keep_mask(x.shape, p, x.device), dropout_scale(p))
     return x if round(p * _LEVELS) == 0 else x * 0.0  # p within 2**-17 of 0 or of 1
