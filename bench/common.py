@@ -36,12 +36,13 @@ def matmul_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 1.0) 
 
     The fastest single call counts, so a moment of contention on a shared machine lowers the
     figure less than an average would (a low peak would inflate every utilisation against it).
-    Two kernels are timed, ``torch.mm`` and, for fp32, oneDNN's product with a pre-packed
-    weight (what attnlab's inference uses, attnlab/fast/linear.py: PackedLinear), and the
-    faster counts: on the 2-core benchmark machine oneDNN's is about 13% faster (227 against
-    198 GFLOP/s).
+    Two kernels are timed, ``torch.mm`` and, for fp32 where PyTorch has oneDNN, oneDNN's
+    product on a weight packed once into its blocked layout, and the faster counts (oneDNN's
+    was the faster on some hosts: bench/RESULTS.md).
     """
-    from attnlab.fast.linear import PackedLinear
+    onednn = torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
 
     def fastest_call(product: Callable[[], object]) -> float:
         with torch.inference_mode():
@@ -58,9 +59,12 @@ def matmul_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 1.0) 
     for n in (1024, 2048, 3072):
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         best = max(best, 2 * n**3 / fastest_call(functools.partial(torch.mm, a, b)))
-        if dtype == torch.float32:  # a b^T on b packed: the same FLOPs
-            packed = PackedLinear(n, n, bias=False)  # random weights: the same FLOPs
-            best = max(best, 2 * n**3 / fastest_call(functools.partial(packed, a)))
+        if dtype == torch.float32 and onednn:  # a b^T on b packed: the same FLOPs
+            packed = torch.ops.mkldnn._reorder_linear_weight(b)
+            product = functools.partial(
+                torch.ops.mkldnn._linear_pointwise, a, packed, None, "none", [], ""
+            )
+            best = max(best, 2 * n**3 / fastest_call(product))
     return best
 
 
@@ -101,32 +105,28 @@ def synthetic_batch(
 
 
 def training_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    precision: str = "fp32",
-    keep_grads: bool = True,
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: str = "fp32"
 ) -> Callable[[dict[str, torch.Tensor]], float]:
     """The trainer's step (forward, backward, clip to 1.0, AdamW step) as a function of a batch.
 
-    With the trainer's speed-ups that ATTNLAB_SPEEDUPS selects (fast/training.py): kept
-    embedding gradients (unless ``keep_grads`` is False, as under compile) and glibc keeping
-    freed memory. The model's twins are the caller's choice
+    With the trainer's speed-up if ATTNLAB_SPEEDUPS selects it (fast/training.py): glibc
+    keeping freed memory. The model's twins are the caller's choice
     (``attnlab.fast.for_training``).
     """
     from attnlab.fast.swap import TRAINING, chosen
-    from attnlab.fast.training import clipped_step, keep_freed_memory, kept_embedding_grads
+    from attnlab.fast.training import keep_freed_memory
+    from attnlab.train.hooks import TrainerHooks
 
-    names = {s.name for s in chosen(TRAINING)}
-    if "keep_freed_memory" in names:
+    if "keep_freed_memory" in {s.name for s in chosen(TRAINING)}:
         keep_freed_memory()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
-    kept = kept_embedding_grads(model) if keep_grads and "embedding_grads" in names else None
+    hooks = TrainerHooks()
 
     def step(batch: dict[str, torch.Tensor]) -> float:
-        with autocast, kept or nullcontext():  # the lookups' kind is fixed in the forward pass
+        with autocast:
             loss = model(**batch)["loss"]
         loss.backward()
-        clipped_step(optimizer, model.parameters(), 1.0, kept)
+        hooks.clipped_step(optimizer, model.parameters(), 1.0)
         optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 

@@ -109,6 +109,9 @@ def main() -> None:
     parser.add_argument(
         "--outputs", action="store_true", help="time the command's JSON lines against --output .npy"
     )
+    parser.add_argument(
+        "--only", choices=("attnlab",), help="time attnlab alone (for bench/speedup_ab.py)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.outputs:
@@ -161,6 +164,8 @@ def main() -> None:
     }
     if args.dtype == "bf16":
         runs["attnlab bf16"] = lambda: ours(torch.bfloat16)
+    if args.only:
+        runs = {name: fn for name, fn in runs.items() if name.startswith(args.only)}
 
     result: dict[str, dict[str, float]] = {}
     reference = None
@@ -174,6 +179,21 @@ def main() -> None:
             "mfu": flops / seconds / (bf16_peak if name.endswith("bf16") else peak),
             "min_cosine_vs_hf": cosine,
         }
+    if "hf_docs (a)" in result:
+        print_table(result)
+    summary = {
+        "bench": "embed",
+        "sentences": len(texts),
+        "threads": args.threads,
+        "peak_gflops": peak / 1e9,
+        "bf16_peak_gflops": bf16_peak / 1e9,
+        "results": result,
+    }
+    print(json.dumps(summary))
+
+
+def print_table(result: dict[str, dict[str, float]]) -> None:
+    """Each encoder's sentences/s, its ratios to HF's (a) and (b), MFU and cosine to HF."""
     a, b = result["hf_docs (a)"]["sentences_per_s"], result["hf_sorted (b)"]["sentences_per_s"]
     print(
         f"{'encoder':16s} {'sent/s':>9s} {'vs (a)':>7s} {'vs (b)':>7s} {'MFU':>6s} {'min cos':>8s}"
@@ -184,15 +204,6 @@ def main() -> None:
             f"{name:16s} {s:9.1f} {s / a:6.2f}x {s / b:6.2f}x {r['mfu']:6.1%} "
             f"{r['min_cosine_vs_hf']:8.5f}"
         )
-    summary = {
-        "bench": "embed",
-        "sentences": len(texts),
-        "threads": args.threads,
-        "peak_gflops": peak / 1e9,
-        "bf16_peak_gflops": bf16_peak / 1e9,
-        "results": result,
-    }
-    print(json.dumps(summary))
 
 
 def time_outputs(n: int, repeats: int, threads: int) -> None:

@@ -1,15 +1,10 @@
 """Memory-bound parts of a bert-small training step and of distillation's, attnlab's and plain.
 
-- MLM loss forward and backward on (598, 30,522) logits: ``fast/loss.py: summed_cross_entropy``
-  against ``F.cross_entropy(reduction="sum")``;
 - distillation's KL term forward and backward on two (598, 30,522) logits at T = 2:
   ``fast/loss.py: summed_kl_divergence`` against ``F.kl_div`` of two ``log_softmax``es
   (what ``attnlab distill`` computed before);
 - a bias gradient, the column sums of a (4,096, 2,048) output gradient: ``ones @ rows``
-  (fast/linear.py) against ``rows.sum(0)``;
-- the clipping norm of bert-small's gradients: squared norms by BLAS dot
-  (``fast/training.py: _total_norm``) against ``linalg.vector_norm`` of each, as
-  ``torch.nn.utils.clip_grad_norm_`` computes it.
+  (fast/linear.py) against ``rows.sum(0)``.
 
 Each timed alone, median of ``--repeats``; the two results of each pair are compared too.
 
@@ -61,7 +56,6 @@ def main() -> None:
     results = {
         **loss_parts(args.repeats),
         "bias_gradient": bias_gradient(args.repeats),
-        "clipping_norm": clipping_norm(args.repeats),
     }
     for name, r in results.items():
         extra = {k: f"{v:.1e}" for k, v in r.items() if not k.endswith("_ms")}
@@ -73,28 +67,11 @@ def main() -> None:
 
 
 def loss_parts(repeats: int) -> dict[str, dict[str, float]]:
-    """The MLM loss and distillation's KL term, forward and backward, attnlab's and plain."""
-    from attnlab.fast.loss import summed_cross_entropy, summed_kl_divergence
+    """Distillation's KL term, forward and backward, attnlab's and plain."""
+    from attnlab.fast.loss import summed_kl_divergence
 
     results = {}
-    logits, target = torch.randn(598, 30522) * 3, torch.randint(0, 30522, (598,))
-
-    def loss_step(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        z = logits.clone().requires_grad_()  # as a fresh decoder output
-        loss = fn(z, target)
-        loss.backward()
-        return loss.detach()
-
-    def plain(z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(z, t, reduction="sum")
-
-    ours, theirs = loss_step(summed_cross_entropy), loss_step(plain)
-    results["mlm_loss"] = {
-        "attnlab_ms": median_ms(lambda: loss_step(summed_cross_entropy), repeats),
-        "plain_ms": median_ms(lambda: loss_step(plain), repeats),
-        "relative_difference": float((ours - theirs).abs() / theirs.abs()),
-    }
-
+    logits = torch.randn(598, 30522) * 3
     teacher = torch.randn(598, 30522) * 3
 
     def plain_kl(z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -127,30 +104,6 @@ def bias_gradient(repeats: int) -> dict[str, float]:
         "attnlab_ms": median_ms(lambda: ones @ rows, repeats),
         "plain_ms": median_ms(lambda: rows.sum(0), repeats),
         "relative_difference": float(((ones @ rows) - rows.sum(0)).norm() / rows.sum(0).norm()),
-    }
-
-
-def clipping_norm(repeats: int) -> dict[str, float]:
-    """The norm of bert-small's gradients: attnlab's BLAS dots against ``vector_norm``s."""
-    from attnlab.config import BertConfig
-    from attnlab.fast.training import _total_norm
-    from attnlab.models.bert import BertForPreTraining
-
-    grads = [
-        torch.randn_like(p)
-        for p in BertForPreTraining(BertConfig.preset("bert-small")).parameters()
-    ]
-    pairs = [(g, None) for g in grads]
-
-    def plain_norm() -> torch.Tensor:
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-
-    exact = float(torch.stack([g.double().pow(2).sum() for g in grads]).sum().sqrt())
-    return {
-        "attnlab_ms": median_ms(lambda: _total_norm(pairs), repeats),
-        "plain_ms": median_ms(plain_norm, repeats),
-        "attnlab_error_vs_float64": abs(float(_total_norm(pairs)) - exact) / exact,
-        "plain_error_vs_float64": abs(float(plain_norm()) - exact) / exact,
     }
 
 

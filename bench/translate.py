@@ -99,8 +99,7 @@ def marian_like(config, vocab_size: int):
 OP_KINDS = {
     "aten::addmm": "projections (addmm/mm)",
     "aten::mm": "projections (addmm/mm)",
-    "mkldnn::_linear_pointwise": "projections (addmm/mm)",  # attnlab's packed weights
-    "mkldnn::_reorder_linear_weight": "projections (addmm/mm)",  # packing them
+    "mkldnn::_linear_pointwise": "projections (addmm/mm)",  # oneDNN's product
     "aten::bmm": "attention products (bmm/sdpa)",
     "aten::baddbmm": "attention products (bmm/sdpa)",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention products (bmm/sdpa)",
@@ -229,8 +228,12 @@ def check_same_logits(
 
 
 def speed_ratios(results: dict[str, dict], workers: int) -> dict[str, float]:
-    """attnlab's speed over HF's: one batch at a time, and with workers (printed too) if timed."""
+    """attnlab's speed over HF's: one batch at a time, and with workers if timed (printed)."""
     hf_speed = results["hf marian generate"]["sentences_per_s"]
+    print(f"{'decoder':22s} {'sent/s':>9s} {'seconds':>8s} {'vs HF':>7s}")
+    for name, r in results.items():
+        s = r["sentences_per_s"]
+        print(f"{name:22s} {s:9.2f} {r['seconds']:8.2f} {s / hf_speed:6.2f}x")
     ratios = {"ratio_vs_hf": results["attnlab beam_search"]["sentences_per_s"] / hf_speed}
     if workers > 1:
         ours_w = results[f"attnlab, {workers} workers"]["sentences_per_s"]
@@ -377,6 +380,9 @@ def main() -> None:
     parser.add_argument("--model", help="trained attnlab translation model: natural lengths")
     parser.add_argument("--max-len", type=int, default=60, help="--model: max output tokens")
     parser.add_argument("--profile", action="store_true", help="time by kind of operation")
+    parser.add_argument(
+        "--only", choices=("attnlab",), help="time attnlab's one-batch decoder alone (speedup_ab)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.workers = args.workers or args.threads
@@ -463,6 +469,8 @@ def main() -> None:
         runs[f"hf, {args.workers} workers"] = lambda: run_hf(args.workers)
     if not args.no_uncached:
         runs["attnlab, no KV cache"] = lambda: run_ours(False)
+    if args.only:
+        runs = {"attnlab beam_search": runs["attnlab beam_search"]}
     results: dict[str, dict[str, float]] = {}
     for name, fn in runs.items():
         fn()  # warm-up
@@ -475,12 +483,7 @@ def main() -> None:
             raise SystemExit(f"{name}: output lengths {sorted(set(lengths))}, not {args.out_len}")
         results[name] = {"sentences_per_s": len(sources) / best, "seconds": best}
 
-    hf_speed = results["hf marian generate"]["sentences_per_s"]
-    print(f"{'decoder':22s} {'sent/s':>9s} {'seconds':>8s} {'vs HF':>7s}")
-    for name, r in results.items():
-        s = r["sentences_per_s"]
-        print(f"{name:22s} {s:9.2f} {r['seconds']:8.2f} {s / hf_speed:6.2f}x")
-    ratios = speed_ratios(results, args.workers)
+    ratios = {} if args.only else speed_ratios(results, args.workers)
     summary = {
         "bench": "translate",
         "preset": args.preset,

@@ -394,7 +394,7 @@ def test_fast_encoder_layer_without_a_fast_attention_computes_every_row() -> Non
     # computes them all and keeps the rows asked for.
     torch.manual_seed(32)
     plain = Encoder(2, **LAYER, dropout=0.0).eval()
-    twin = swap(copy.deepcopy(plain), chosen(INFERENCE, "kept_rows"))
+    twin = swap(copy.deepcopy(plain), chosen(TRAINING, "kept_rows"))
     assert not isinstance(twin.layers[0].self_attn, FastMultiHeadAttention)
     x, keep = torch.randn(2, 5, D_MODEL), torch.tensor([[1, 0, 1, 0, 0], [1, 1, 1, 1, 0]]) > 0
     with torch.no_grad():

@@ -100,9 +100,9 @@ def test_cached_and_uncached_searches_agree(norm_position: str, position_encodin
 def test_searches_with_the_fast_twins_equal_the_plain_model(
     norm_position: str, position_encoding: str
 ) -> None:
-    # The inference twins (packed products, CPU attention routes, beams sharing their
-    # sentence's cross-attention keys) find the same outputs as the plain model, with and
-    # without the cache.
+    # The inference twins (CPU attention routes, beams sharing their sentence's
+    # cross-attention keys) find the same outputs as the plain model, with and without the
+    # cache.
     model = peaky_model(norm_position=norm_position, position_encoding=position_encoding)
     src, mask = sources()
     greedy = greedy_search(model, src, mask)

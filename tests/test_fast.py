@@ -125,7 +125,7 @@ def test_transformer_twins_give_the_plain_loss_and_gradients(tie_output: bool) -
         model = Transformer(config)
         if twins:
             fast.for_training(model, "all")
-            assert type(model) is not Transformer
+            assert any(type(m).__name__.startswith("Fast") for m in model.modules())
         loss = model(src, tgt[:, :-1], tgt[:, 1:])["loss"]
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))

@@ -6,7 +6,6 @@ variant needs it), and the reference is transformers run on the same folder.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 from pathlib import Path
@@ -384,14 +383,11 @@ def test_a_trained_pooler_beside_a_masked_lm_head_is_kept(tmp_path):
 # ---- the pretraining objective --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kept_grads", [False, True])  # plain autograd; the trainer's CPU buffers
-def test_pretraining_loss_and_every_gradient_match_hf(kept_grads, tmp_path):
+def test_pretraining_loss_and_every_gradient_match_hf(tmp_path):
     # attnlab's pretraining loss takes shortcuts HF's does not: the vocabulary projection and
-    # the last layer only at the rows a loss reads, a summed cross-entropy of its own, the tied
-    # table's gradient built from the lookups' rows. MLM (mean over masked tokens) + NSP must
-    # still be HF BertForPreTraining's loss, and every gradient HF's (dropout off).
-    from attnlab.fast.training import kept_embedding_grads
-
+    # the last layer only at the rows a loss reads, a summed cross-entropy of its own. MLM
+    # (mean over masked tokens) + NSP must still be HF BertForPreTraining's loss, and every
+    # gradient HF's (dropout off).
     config = hf_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     hf = randomized(transformers.BertForPreTraining(config))
     folder = saved(hf, tmp_path / "ck")
@@ -407,10 +403,8 @@ def test_pretraining_loss_and_every_gradient_match_hf(kept_grads, tmp_path):
 
     theirs = hf(**inputs, labels=labels, next_sentence_label=nsp)
     theirs.loss.backward()
-    kept = kept_embedding_grads(ours) if kept_grads else None
     ids, mask, types = inputs.values()
-    with kept or contextlib.nullcontext():
-        loss = ours(ids, mask, types, mlm_labels=labels, nsp_labels=nsp)["loss"]
+    loss = ours(ids, mask, types, mlm_labels=labels, nsp_labels=nsp)["loss"]
     loss.backward()
     assert float(loss.detach()) == pytest.approx(float(theirs.loss.detach()), rel=1e-6)
 

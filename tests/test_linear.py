@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import attnlab.fast.linear as linear_module
 import attnlab.fast.route as route_module
 from attnlab.fast import swap, to_plain
-from attnlab.fast.linear import TrainingLinear, _TrainingLinear, can_pack, linear
+from attnlab.fast.linear import TrainingLinear, _TrainingLinear, linear
 from attnlab.fast.speedups import SPEEDUPS
 
 
@@ -55,14 +55,13 @@ def test_only_the_gradients_asked_for():
 
 
 def test_training_route_serves_cpu_fp32_and_nothing_else(monkeypatch):
-    assert can_pack(torch.randn(4, 8))  # this CPU build has oneDNN: the fast path is tested
     calls = []
     apply = _TrainingLinear.apply
     monkeypatch.setattr(_TrainingLinear, "apply", lambda *a: calls.append(1) or apply(*a))
     x, w = torch.randn(3, 8), torch.randn(4, 8, requires_grad=True)
     linear(x, w)
     assert len(calls) == 1
-    with torch.no_grad():  # inference: F.linear (PackedLinear is the fast inference twin)
+    with torch.no_grad():  # inference: F.linear
         linear(x, w)
     linear(x, w.detach())  # nothing needs a gradient
     linear(x.double(), w.double())  # other dtypes: F.linear
@@ -193,3 +192,64 @@ def test_bf16_route_only_without_bf16_instructions_and_only_under_autocast(monke
     with torch.autocast("cpu", dtype=BF16):
         assert linear_module.bf16_by_fp32(x, w)
         assert not linear_module.bf16_by_fp32(x.double(), w.double())
+
+
+def _tied_models() -> dict[str, tuple[torch.nn.Module, torch.Tensor, object]]:
+    """Small models whose vocabulary projection is tied to an embedding table (vocab 50, width
+    16): each with its table and a function of the model giving its training loss."""
+    from attnlab.config import BertConfig, GPTConfig, TransformerConfig
+    from attnlab.models.bert import BertForPreTraining
+    from attnlab.models.gpt import GPT
+    from attnlab.models.seq2seq import Transformer
+
+    torch.manual_seed(0)
+    small = dict(d_model=16, n_heads=2, d_ff=32, max_positions=16, dropout=0.0)
+    bert = BertForPreTraining(BertConfig(vocab_size=50, n_layers=1, **small))
+    seq2seq = Transformer(TransformerConfig(src_vocab_size=50, tgt_vocab_size=50,
+                                            n_encoder_layers=1, n_decoder_layers=1, **small))  # fmt: skip
+    gpt = GPT(GPTConfig(vocab_size=50, n_layers=1, **small))
+    ids = torch.randint(3, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    labels = torch.where(torch.arange(9) % 3 == 0, ids, -100)
+    return {
+        "bert": (bert, bert.bert.embeddings.word_embeddings.weight,
+                 lambda m: m(ids, mlm_labels=labels, nsp_labels=torch.tensor([0, 1]))["loss"]),
+        "transformer": (seq2seq, seq2seq.target_embedding.weight,
+                        lambda m: m(ids, ids[:, :-1], ids[:, 1:])["loss"]),
+        "gpt": (gpt, gpt.embed.weight, lambda m: m(ids[:, :-1], targets=ids[:, 1:]).loss),
+    }  # fmt: skip
+
+
+def _recording(weights: list[torch.Tensor]):
+    """_Bf16Linear.apply, noting each weight it multiplies by."""
+    apply = linear_module._Bf16Linear.apply
+    return lambda x, w, b: weights.append(w) or apply(x, w, b)
+
+
+@pytest.mark.parametrize("kind", ["bert", "transformer", "gpt"])
+def test_tied_projection_twins_take_the_bf16_route_and_equal_the_plain_model(kind, bf16_by_fp32):
+    # A tied vocabulary projection is an F.linear on an embedding table, which no nn.Linear twin
+    # sees: its model's twin routes it through `linear`, the product autocast's bf16 kernel
+    # computes slowly on CPUs without bf16 instructions. The same loss as plain, and a table
+    # gradient as close to the fp32 one as plain autocast's (bf16 roundings in another order).
+    model, table, loss_of = _tied_models()[kind]
+    loss_of(model).backward()
+    fp32_grad = table.grad.clone()
+    model.zero_grad(set_to_none=True)
+    results = []
+    for twins in (False, True):
+        if twins:
+            swap(model, [s for s in SPEEDUPS if s.name == "tied_projection"])
+        weights: list[torch.Tensor] = []
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(linear_module._Bf16Linear, "apply", _recording(weights))
+            with torch.autocast("cpu", dtype=BF16):
+                loss = loss_of(model)
+        loss.backward()
+        assert any(w is table for w in weights) == twins
+        error = float((table.grad - fp32_grad).norm() / fp32_grad.norm())
+        results.append((loss.detach().float(), error))
+        model.zero_grad(set_to_none=True)
+    to_plain(model)
+    (plain_loss, plain_error), (twin_loss, twin_error) = results
+    torch.testing.assert_close(twin_loss, plain_loss, rtol=2**-7, atol=1e-3)
+    assert twin_error <= 1.25 * plain_error + 1e-3, (twin_error, plain_error)

@@ -621,9 +621,11 @@ def test_bf16_pretraining_by_the_fp32_kernel_equals_autocasts_own(monkeypatch) -
         assert error < 2**-8 and error <= 0.35 * fp32_error, (name, error, fp32_error)
 
 
-def test_held_out_scores_are_the_same_on_packed_weights(corpus, vocab, tmp_path, monkeypatch):
-    # The periodic evaluation runs the model on weights packed once per evaluation
-    # (fast/linear.py: PackedLinear); its metrics must be those of the plain layers, to float rounding.
+def test_held_out_scores_are_the_same_with_the_inference_twins(
+    corpus, vocab, tmp_path, monkeypatch
+):
+    # The periodic evaluation runs the model with its inference twins (fast.inference_twins:
+    # no padding computed); its metrics must be those of the plain model, to float rounding.
     import contextlib
 
     import attnlab.tasks.pretrain as pretrain_module
@@ -641,19 +643,19 @@ def test_held_out_scores_are_the_same_on_packed_weights(corpus, vocab, tmp_path,
     config = BertConfig.preset("bert-tiny", vocab_size=tokenizer.vocab_size, max_positions=32)
     model = BertForPreTraining(config).eval()
     entered = []
-    packing = pretrain_module.fast.inference_twins
+    twins = pretrain_module.fast.inference_twins
     monkeypatch.setattr(
-        pretrain_module.fast, "inference_twins", lambda m: entered.append(1) or packing(m)
+        pretrain_module.fast, "inference_twins", lambda m: entered.append(1) or twins(m)
     )
     with torch.no_grad():
-        packed = evaluate(model)
+        with_twins = evaluate(model)
     monkeypatch.setattr(pretrain_module.fast, "inference_twins", lambda m: contextlib.nullcontext())
     with torch.no_grad():
         plain = evaluate(model)
     assert entered == [1]
-    assert packed.keys() == plain.keys() >= {"eval_mlm_loss", "eval_mlm_accuracy"}
+    assert with_twins.keys() == plain.keys() >= {"eval_mlm_loss", "eval_mlm_accuracy"}
     for name, value in plain.items():
-        assert packed[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+        assert with_twins[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
 
 
 def test_added_special_tokens_are_never_masked(corpus, vocab, tmp_path):

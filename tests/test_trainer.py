@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -26,11 +25,10 @@ from _trainer_run import TinyClassifier, make_data, make_evaluate, train
 from safetensors.torch import load_file
 from torch import nn
 
-from attnlab import fast
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
-from attnlab.fast.training import KeptEmbeddingGrads, TrainingSpeedups, clipped_step
-from attnlab.models.bert import BertForPreTraining, BertModel
+from attnlab.fast.training import TrainingSpeedups
+from attnlab.models.bert import BertForPreTraining
 from attnlab.train import (
     TensorBatches,
     TrainConfig,
@@ -41,6 +39,7 @@ from attnlab.train import (
     read_rows,
     seed_everything,
 )
+from attnlab.train.hooks import TrainerHooks
 from attnlab.train.trainer import steps_within
 
 HELPER = Path(__file__).with_name("_trainer_run.py")
@@ -302,191 +301,6 @@ def test_compiled_training_matches_eager_training(tmp_path: Path) -> None:
     assert compiled["loss"] == pytest.approx(eager["loss"], abs=1e-5)
 
 
-def test_kept_embedding_grads_train_like_fresh_dense_grads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    common = {"steps": 5, "grad_accum": 2, "batch_size": 4, "dropout": 0.0, "save_every": 0}
-    sparse_seen: list[bool] = []
-    original = TinyClassifier.forward
-
-    def forward(self: TinyClassifier, **batch: torch.Tensor) -> dict:
-        if self.training:
-            sparse_seen.append(self.embed.sparse)
-        return original(self, **batch)
-
-    monkeypatch.setattr(TinyClassifier, "forward", forward)
-    _, fresh = train(tmp_path / "fresh", speedups=TrainingSpeedups(), **common)
-    assert sparse_seen == [False] * 10  # 16 x 16: below the size threshold, dense gradients
-    monkeypatch.setattr(KeptEmbeddingGrads, "MIN_ELEMENTS", 1)
-    sparse_seen.clear()
-    train(tmp_path / "plain", **common)
-    assert sparse_seen == [False] * 10  # the plain trainer leaves the model's lookups alone
-    sparse_seen.clear()
-    train(tmp_path / "left-out", speedups=TrainingSpeedups("-embedding_grads"), **common)
-    assert sparse_seen == [False] * 10  # left out by name
-    sparse_seen.clear()
-    trainer, kept = train(tmp_path / "kept", speedups=TrainingSpeedups(), **common)
-    assert sparse_seen == [True] * 10  # every training micro-batch looked up sparsely
-    assert trainer.model.embed.sparse is False  # and the model is handed back as it came
-    a, b = _weights(tmp_path / "fresh", 5), _weights(tmp_path / "kept", 5)
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)
-    assert kept["loss"] == pytest.approx(fresh["loss"], abs=1e-6)
-
-
-@pytest.mark.parametrize("tied", [True, False])
-def test_kept_embedding_grads_equal_dense_ones(tied: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(KeptEmbeddingGrads, "MIN_ELEMENTS", 1)
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0)
-    config.attention_dropout = 0.0
-    model = (BertForPreTraining(config) if tied else BertModel(config)).double()
-    word = model.bert.embeddings.word_embeddings if tied else model.embeddings.word_embeddings
-    ids = torch.randint(1, 50, (3, 2, 10))
-    ids[:, :, 7:] = 0  # padding: padding_idx 0 gets no gradient from the lookup
-    ids[:, :, 0] = 5  # a repeated token: its rows add up
-    labels = torch.where(torch.rand(3, 2, 10) < 0.3, ids, -100)
-    labels[:, :, 0] = 5  # at least one masked position per batch
-    probe = torch.randn(2, 10, 16, dtype=torch.float64)
-
-    def loss_of(micro: int) -> torch.Tensor:
-        mask = (ids[micro] != 0).long()
-        if tied:  # the MLM decoder shares the word embeddings
-            nsp = torch.tensor([0, 1])
-            return model(ids[micro], mask, mlm_labels=labels[micro], nsp_labels=nsp)["loss"]
-        out = model(ids[micro], mask)
-        return (out.last_hidden_state * probe).sum() + out.pooler_output.sum()
-
-    def gradients() -> tuple[dict[str, torch.Tensor], int]:
-        for micro in range(3):  # accumulated over three micro-batches
-            loss_of(micro).backward()
-        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        where = word.weight.grad.data_ptr()
-        model.zero_grad(set_to_none=True)
-        return grads, where
-
-    dense, _ = gradients()
-    kept = KeptEmbeddingGrads(model)
-    assert word in kept.modules and len(kept.weights) == len(kept.modules)  # tied: once each
-    stored = []
-    with kept:
-        for _ in range(2):  # the second step reuses (and re-zeroes) the first step's buffers
-            sparse, where = gradients()
-            stored.append(where)
-            for name in dense:
-                torch.testing.assert_close(sparse[name], dense[name], atol=1e-12, rtol=1e-12)
-        assert word.sparse
-    assert not word.sparse
-    if tied:  # the decoder's dense gradient took the looked-up rows: no buffer needed
-        assert id(word.weight) not in kept.buffers
-        # ... in place: no copy of the whole table when the two gradients are summed (fp32,
-        # with the training twins: the path training takes, where the decoder's gradient is a
-        # tensor of its own and comes through the table's tied handle, fast/training.py)
-        from torch.profiler import profile
-
-        fp32 = fast.for_training(BertForPreTraining(config))
-        mask = (ids[0] != 0).long()
-        with KeptEmbeddingGrads(fp32), profile(record_shapes=True) as trace:
-            fp32(ids[0], mask, mlm_labels=labels[0], nsp_labels=torch.tensor([0, 1]))[
-                "loss"
-            ].backward()
-        table = [config.vocab_size, config.d_model]
-        copies = [e for e in trace.events() if e.name == "aten::copy_" and table in e.input_shapes]
-        assert copies == []
-    else:  # the rows went into the one kept buffer, both steps
-        assert stored[0] == stored[1] == kept.buffers[id(word.weight)].data_ptr()
-
-
-def test_tied_transformer_projection_takes_the_lookup_rows_in_place(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The translation model's tied output projection with its training twin: same gradients
-    # with sparse lookups, and no copy of the whole table when autograd sums the two
-    # (fast/training.py: tied_weight).
-    from torch.profiler import profile
-
-    from attnlab.config import TransformerConfig
-    from attnlab.models.seq2seq import Transformer
-
-    monkeypatch.setattr(KeptEmbeddingGrads, "MIN_ELEMENTS", 1)
-    config = TransformerConfig(
-        src_vocab_size=60, tgt_vocab_size=60, d_model=16, n_heads=2, d_ff=32,
-        n_encoder_layers=1, n_decoder_layers=1, max_positions=16, dropout=0.0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = fast.for_training(Transformer(config))
-    assert model.output_proj is None  # tied
-    src, tgt = torch.randint(3, 60, (2, 9)), torch.randint(3, 60, (2, 7))
-
-    def gradient(trace: bool = False) -> tuple[torch.Tensor, list]:
-        loss = model(src, tgt[:, :-1], tgt[:, 1:])["loss"]
-        with profile(record_shapes=True) if trace else nullcontext() as recorded:
-            loss.backward()
-        grad = model.target_embedding.weight.grad
-        model.zero_grad(set_to_none=True)
-        return grad, recorded.events() if trace else []
-
-    dense, _ = gradient()
-    with KeptEmbeddingGrads(model):
-        sparse, events = gradient(trace=True)
-    torch.testing.assert_close(sparse, dense, atol=1e-6, rtol=1e-5)
-    table = [60, 16]
-    copies = [e for e in events if e.name == "aten::copy_" and table in e.input_shapes]
-    assert copies == []
-
-
-def test_kept_buffer_rows_zeroing_and_clipping_equal_torchs(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Steps that touch different rows (so a row left over from the step before would show),
-    # with micro-batches accumulated into the kept buffer; the reference is a dense lookup
-    # and torch's clip_grad_norm_.
-    monkeypatch.setattr(KeptEmbeddingGrads, "MIN_ELEMENTS", 1)
-    torch.manual_seed(1)
-    config = BertConfig(vocab_size=60, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0)
-    config.attention_dropout = 0.0
-    model = BertModel(config).double()
-    word = model.embeddings.word_embeddings
-    probe = torch.randn(2, 8, 16, dtype=torch.float64)
-    steps = [  # token ids of each micro-batch: each step its own rows
-        [torch.randint(1, 20, (2, 8)), torch.randint(20, 30, (2, 8))],
-        [torch.randint(30, 45, (2, 8))],
-        [
-            torch.randint(45, 60, (2, 8)),
-            torch.randint(1, 10, (2, 8)),
-            torch.randint(50, 60, (2, 8)),
-        ],
-    ]
-
-    def backward(micro_batches: list[torch.Tensor]) -> None:
-        for ids in micro_batches:
-            out = model(ids, torch.ones_like(ids))
-            ((out.last_hidden_state * probe).sum() + out.pooler_output.sum()).backward()
-
-    for max_norm in (0.5, 1e9, math.inf):  # clipped, not clipped, norm only
-        kept = KeptEmbeddingGrads(model)
-        with kept:
-            for micro_batches in steps:
-                with_rows = torch.cat([ids.flatten() for ids in micro_batches]).unique()
-                kept.__exit__()  # the reference: dense lookups, torch's clipping
-                backward(micro_batches)
-                dense_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                dense = {name: p.grad.clone() for name, p in model.named_parameters()}
-                model.zero_grad(set_to_none=True)
-                kept.__enter__()
-                backward(micro_batches)
-                assert torch.equal(kept.rows[id(word.weight)], with_rows)
-                assert word.weight.grad is kept.buffers[id(word.weight)]
-                # SGD at lr 0: not fused, so the gradients are clipped in place, and kept as they are
-                norm = clipped_step(
-                    torch.optim.SGD(model.parameters(), lr=0.0), model.parameters(), max_norm, kept
-                )
-                torch.testing.assert_close(norm, dense_norm, atol=1e-12, rtol=1e-12)
-                for name, p in model.named_parameters():
-                    torch.testing.assert_close(p.grad, dense[name], atol=1e-12, rtol=1e-12)
-                model.zero_grad(set_to_none=True)
-
-
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("max_norm", [0.05, 1e9, math.inf])
 def test_clipped_step_equals_torchs_clipping_then_step(fused: bool, max_norm: float) -> None:
@@ -502,7 +316,7 @@ def test_clipped_step_equals_torchs_clipping_then_step(fused: bool, max_norm: fl
             (m(x) ** 2).sum().backward()
         expected = torch.nn.utils.clip_grad_norm_(models[0].parameters(), max_norm)
         opts[0].step()
-        norm = clipped_step(opts[1], models[1].parameters(), max_norm, None)
+        norm = TrainerHooks().clipped_step(opts[1], models[1].parameters(), max_norm)
         torch.testing.assert_close(norm, expected)
         for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

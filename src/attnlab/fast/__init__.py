@@ -17,7 +17,6 @@ from torch import nn
 from attnlab.fast.route import describe_route, route_line
 from attnlab.fast.swap import (
     INFERENCE,
-    KEEP_STATE,
     TRAINING,
     Speedup,
     chosen,
@@ -40,13 +39,9 @@ def for_inference(model: nn.Module, names: str | None = None) -> nn.Module:
 
 
 def for_serving(model: nn.Module, names: str | None = None) -> nn.Module:
-    """The model (same object) frozen, with its inference twins for good: each job's own
-    inference_twins then keeps the state they build (weights packed once, not per call)."""
+    """The model (same object) frozen (no parameter needs a gradient), its inference twins in."""
     model.requires_grad_(False)
-    swap(model, chosen(INFERENCE, names))
-    for module in model.modules():
-        module.__dict__[KEEP_STATE] = True
-    return model
+    return swap(model, chosen(INFERENCE, names))
 
 
 @contextmanager

@@ -8,8 +8,8 @@ serve (tensors off the CPU, code traced by ``torch.compile``):
   training with attention dropout as one autograd function from the projections to the
   merged heads (``_DropoutAttention``); a sentence's beams sharing one row of cross-attention
   keys without copies (``_to_groups``); and queries at chosen positions only (``query_rows``).
-- ``FastEncoderLayer`` and ``FastEncoder``: with BertModel's ``keep``, the last layer
-  computes only the kept positions (``KeptRows``), which still attend to every position.
+- ``FastEncoderLayer`` and ``FastEncoder`` (training): with BertModel's ``keep``, the last
+  layer computes only the kept positions (``KeptRows``), which still attend to every position.
 - ``UnpaddedEncoder``: in evaluation with ``keep``, no layer computes padding. The
   position-wise parts (projections, feed-forward, LayerNorm) run on the real rows only, packed
   one after another; attention alone sees them in the padded (batch, seq) layout.

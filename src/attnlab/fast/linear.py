@@ -1,13 +1,12 @@
-"""Fast twins of ``nn.Linear`` (y = x W^T + b) and of the ReLU feed-forward: same math, CPU routes.
+"""The fast training twin of ``nn.Linear`` (y = x W^T + b): same math, CPU routes.
 
 Training (``TrainingLinear``). On CPU, ``F.linear`` calls MKL's general matrix product. On AMD
-processors with AVX-512 oneDNN's product (reached through ``torch.ops.mkldnn._linear_pointwise``,
-the op packed inference uses) was the faster one for the shapes of a BERT training step, and
-MKL everywhere else (fast/route.py). So while gradients are on, the forward product and the
+processors with AVX-512 oneDNN's product (reached through ``torch.ops.mkldnn._linear_pointwise``)
+was the faster one for the shapes of a BERT training step, and MKL everywhere else
+(fast/route.py). So while gradients are on, the forward product and the
 gradient with respect to the input go through that library; the weight's gradient (dy^T x) is
 one ``torch.mm`` everywhere, a contiguous (out, in) tensor of its own (where F.linear's
-autograd gives the transpose of an (in, out) one), so a tied embedding table can take the
-lookups' rows in place (fast/training.py).
+autograd gives the transpose of an (in, out) one).
 
 bf16 autocast on a CPU whose bf16 products are no faster than fp32 (fast/route.py:
 fast_bf16_matmul) gets the same bf16 products from the fp32 kernel: inputs rounded to bf16,
@@ -16,22 +15,14 @@ own bf16 product is emulated there and the slower one. ``linear`` and ``matmul``
 route (``_Bf16Linear``, ``_Bf16MatMul``) and keep bf16 copies for the backward pass, as
 autocast does.
 
-Inference (``PackedLinear``). ``nn.Linear`` rearranges ("packs") the weight into the kernel's
-blocked layout on every call. While the weight does not change oneDNN can pack it once
-(``torch.ops.mkldnn._reorder_linear_weight``) and every later call skips that work, as
-PyTorch's inductor ("freezing") and Intel's extension do for inference. The pack is built on
-first use and kept until the next swap (fast/swap.py), or rebuilt sooner where the weight's
-version shows a change. ``PackedFeedForward`` also applies the ReLU of
-a ReLU feed-forward as the first product is written.
+The tied vocabulary projections (``FastMLMHead``, ``FastTransformer``, ``FastGPT``: the
+"tied_projection" speed-up) multiply by an embedding table with ``F.linear``, which no
+``nn.Linear`` twin sees; their twins route that product through ``linear`` too.
 
-Tied vocabulary projections (``FastMLMHead``, ``FastTransformer``) take both routes on the
-embedding table, through the handle the kept embedding gradients give it (fast/training.py:
-tied_weight), so that the projection's dense gradient takes the lookups' rows in place.
-
-Anything else runs plain ``F.linear``: CUDA tensors, dtypes other than fp32, bf16 autocast on
-CPUs with fast bf16 products, and code traced by ``torch.compile`` (which brings its own
-kernels). Results and gradients equal ``F.linear``'s (under autocast, autocast's) to float
-rounding (tests/test_linear.py, tests/test_packed.py).
+Anything else runs plain ``F.linear``: fp32 without gradients, CUDA tensors, other dtypes, bf16
+autocast on CPUs with fast bf16 products, and code traced by ``torch.compile`` (which brings
+its own kernels). Results and gradients equal ``F.linear``'s (under autocast, autocast's) to
+float rounding (tests/test_linear.py).
 """
 
 from __future__ import annotations
@@ -42,22 +33,16 @@ from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from attnlab.fast.route import fast_bf16_matmul, has_onednn, onednn_trains_faster
-from attnlab.fast.training import tied_weight
 from attnlab.models.bert import BertMLMHead
+from attnlab.models.gpt import GPT
 from attnlab.models.seq2seq import Transformer
-from attnlab.nn.blocks import FeedForward
 
 BF16 = torch.bfloat16
 
 
-def can_pack(weight: Tensor) -> bool:
-    """Whether weight (out, in) can go to oneDNN here: fp32, on CPU, oneDNN built in."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and has_onednn()
-
-
-def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None, post: str = "none") -> Tensor:
-    """x (..., in) @ weight (out, in, or packed)^T + bias, by oneDNN; post "relu" fuses a ReLU."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, post, [], "")
+def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x (..., in) @ weight (out, in)^T + bias, by oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def _product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -215,89 +200,29 @@ class TrainingLinear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-PACKED = "_packed"  # a twin's attribute: (the weight's version and address, its pack)
-
-
-def packed_linear(
-    owner: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = False
-) -> Tensor:
-    """x W^T + b (ReLU'd as it is written when relu=True) on W packed once, the pack kept on owner.
-
-    The packed product serves CPU fp32 inference; anything else (training, bf16 autocast, CUDA)
-    runs ``linear``, which picks its route.
-    """
-    usable = (
-        x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and can_pack(weight)
-        and not torch.is_grad_enabled()
-        and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
-    )
-    if not usable:
-        # A training forward: the weights are about to change, and an optimizer may change
-        # them without moving their version (fused AdamW), so a pack kept now would go stale.
-        owner.__dict__.pop(PACKED, None)
-        y = linear(x, weight, bias)
-        return F.relu(y) if relu else y
-    return _onednn(x, _pack(owner, weight), bias, "relu" if relu else "none")
-
-
-def _pack(owner: nn.Module, weight: Tensor) -> Tensor:
-    """weight packed for oneDNN, kept on owner: built on first use, again if its version moved."""
-    key = (weight._version, weight.data_ptr())
-    cached = owner.__dict__.get(PACKED)
-    if cached is None or cached[0] != key:
-        with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        cached = owner.__dict__[PACKED] = (key, packed)
-    return cached[1]
-
-
-class PackedLinear(nn.Linear):
-    """Twin of nn.Linear for inference: the fp32 weight packed once for oneDNN (module docstring)."""
-
-    fast_state = (PACKED,)  # dropped at every swap (fast/swap.py)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x (..., in) -> (..., out)."""
-        return packed_linear(self, x, self.weight, self.bias)
-
-    def product(self, x: Tensor, relu: bool = False) -> Tensor:
-        """x (..., in) -> (..., out), with ReLU applied as it is written when relu=True."""
-        return packed_linear(self, x, self.weight, self.bias, relu)
-
-
-class PackedFeedForward(FeedForward):
-    """Twin of FeedForward for inference: a ReLU network's first product writes relu(x W1 + b1)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        """(batch, seq, d_model) -> (batch, seq, d_model)."""
-        if self.act is F.relu and isinstance(self.fc1, PackedLinear):
-            return self.fc2(self.fc1.product(x, relu=True))
-        return super().forward(x)
-
-
 class FastMLMHead(BertMLMHead):
-    """Twin of BertMLMHead: the tied vocabulary projection by ``linear`` (training) or packed
-    (inference), on the handle the kept embedding gradients give the tied table."""
-
-    fast_state = (PACKED,)
+    """Twin of BertMLMHead: the tied vocabulary projection computed by ``linear``."""
 
     def forward(self, hidden: Tensor) -> Tensor:
         """(..., d_model) -> (..., vocab_size) logits."""
         h = self.norm(self.act(self.dense(hidden)))
-        return packed_linear(self, h, tied_weight(self.word_embeddings), self.bias)
+        return linear(h, self.word_embeddings.weight, self.bias)
 
 
 class FastTransformer(Transformer):
-    """Twin of Transformer: its tied output projection as FastMLMHead's (an untied one is an
-    nn.Linear with twins of its own)."""
-
-    fast_state = (PACKED,)
+    """Twin of Transformer: a tied output projection computed by ``linear`` (an untied one is an
+    nn.Linear with a twin of its own)."""
 
     def project(self, hidden: Tensor) -> Tensor:
         """Decoder output (..., d_model) -> logits (..., tgt_vocab_size)."""
         if self.output_proj is None:
-            return packed_linear(self, hidden, tied_weight(self.target_embedding))
+            return linear(hidden, self.target_embedding.weight)
         return self.output_proj(hidden)
+
+
+class FastGPT(GPT):
+    """Twin of GPT: the LM head's product computed by ``linear``."""
+
+    def project(self, hidden: Tensor) -> Tensor:
+        """Final hidden states (..., d_model) -> next-token logits (..., vocab_size)."""
+        return linear(hidden, self.output_weight())

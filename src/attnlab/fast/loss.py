@@ -1,20 +1,12 @@
-"""Fast twins of the summed losses (nn/loss.py): the same numbers, a block of rows at a time.
-
-The cross-entropy ``loss = sum_i logsumexp(z_i) - z_i[y_i]`` has the gradient
-``softmax(z_i) - onehot(y_i)``. The logits of a pretraining step are a large (masked rows,
-vocabulary) tensor that is never in cache inside a step, so each pass over it costs memory
-traffic, not arithmetic. So the forward pass keeps one number a row, the log-sum-exp, and the
-backward pass recomputes ``exp(z - lse)`` a block of rows at a time, turning it into the
-gradient while the block is in cache and writing it once, in the logits' own dtype.
-Autograd's ``log_softmax`` + ``nll_loss`` writes and rereads whole (rows, vocab) tensors
-instead, and bf16 logits (autocast) would first be widened to a whole fp32 copy. The loss is
-exact where softmax(z)[y] underflows (a gap of hundreds): lse - z[y] is that gap.
+"""The fast twin of the summed KL divergence (nn/loss.py): the same numbers, a block of rows at a time.
 
 Distillation's soft-target term, the KL divergence between a teacher's and a student's
-softened distributions (Hinton et al. 2015), is computed the same way, a block of rows at a
-time, keeping one KL a row between the passes instead of two whole log-softmaxes: less peak
-memory, and under bf16 autocast less time too. The twins serve CPU tensors outside
-``torch.compile``; elsewhere the plain module computes.
+softened distributions (Hinton et al. 2015), over a large (rows, vocabulary) pair of logits
+that is never in cache inside a step. ``F.kl_div`` of two ``log_softmax``es writes and rereads
+whole (rows, vocab) tensors; here each block of rows has its two log-softmaxes computed in
+cache, and between the passes the loss keeps one KL a row: less peak memory, and under bf16
+autocast less time too. The twin serves CPU tensors outside ``torch.compile``; elsewhere the
+plain module computes.
 """
 
 from __future__ import annotations
@@ -25,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from attnlab.nn.loss import SummedCrossEntropy, SummedKLDivergence, check_kl_inputs
+from attnlab.nn.loss import SummedKLDivergence, check_kl_inputs
 
 _BLOCK_ELEMENTS = 1 << 18  # a block of rows in compute precision: 1 MB in fp32, cache-sized
 
@@ -41,51 +33,6 @@ def _widened(*tensors: Tensor) -> torch.dtype:
     for t in tensors:
         dtype = torch.promote_types(dtype, t.dtype)
     return dtype
-
-
-class _SummedCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: FunctionCtx, logits: Tensor, target: Tensor) -> Tensor:
-        rows, vocab = logits.shape
-        block = _block_rows(vocab)
-        dtype = _widened(logits)
-        lse = logits.new_empty(rows, dtype=dtype)
-        for start in range(0, rows, block):  # widened a block at a time (bf16), in cache
-            torch.logsumexp(
-                logits[start : start + block].to(dtype), -1, out=lse[start : start + block]
-            )
-        picked = logits.gather(1, target.unsqueeze(1)).squeeze(1).to(dtype)
-        ctx.save_for_backward(logits, target, lse)
-        ctx.block = block
-        return (lse - picked).sum()
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
-        logits, target, lse = ctx.saved_tensors
-        d_logits = torch.empty_like(logits)
-        widen = lse.dtype != logits.dtype  # half-precision logits: computed in a wider block
-        rows = min(ctx.block, len(logits))
-        scratch = logits.new_empty((rows, logits.shape[1]), dtype=lse.dtype) if widen else None
-        for start in range(0, len(logits), ctx.block):
-            end = min(start + ctx.block, len(logits))
-            out = d_logits[start:end]
-            block = scratch[: end - start] if scratch is not None else out
-            torch.sub(logits[start:end], lse[start:end, None], out=block)
-            block.exp_()  # softmax of the block's rows
-            block[torch.arange(end - start, device=block.device), target[start:end]] -= 1.0
-            block.mul_(grad)
-            if widen:
-                out.copy_(block)
-        return d_logits, None
-
-
-def summed_cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
-    """sum over rows of -log softmax(logits)[target]: logits (rows, vocab), target (rows,).
-
-    The loss is fp32 for half-precision logits, whose gradient comes back in their dtype.
-    """
-    return _SummedCrossEntropy.apply(logits, target)
 
 
 def _log_softmax_blocks(
@@ -155,16 +102,6 @@ def summed_kl_divergence(student: Tensor, teacher: Tensor, temperature: float = 
 def _served(*tensors: Tensor) -> bool:
     """Whether the blocked losses compute these logits: CPU tensors, outside torch.compile."""
     return all(t.device.type == "cpu" for t in tensors) and not torch.compiler.is_compiling()
-
-
-class BlockedCrossEntropy(SummedCrossEntropy):
-    """Twin of SummedCrossEntropy: log-sum-exp kept a row, gradient a block of rows at a time."""
-
-    def forward(self, logits: Tensor, target: Tensor) -> Tensor:
-        """A 0-d loss, fp32 for half-precision logits (whose gradient comes back in their dtype)."""
-        if _served(logits) and logits.dim() == 2:
-            return summed_cross_entropy(logits, target)
-        return super().forward(logits, target)
 
 
 class BlockedKLDivergence(SummedKLDivergence):

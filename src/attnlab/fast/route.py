@@ -57,10 +57,8 @@ def onednn_trains_faster() -> bool:
 
 @functools.cache
 def has_onednn() -> bool:
-    """Whether this PyTorch build can pack linear weights for oneDNN (CPU inference)."""
-    return torch.backends.mkldnn.is_available() and hasattr(
-        torch.ops.mkldnn, "_reorder_linear_weight"
-    )
+    """Whether this PyTorch build has oneDNN's linear product (the training twin's route)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def describe_route() -> dict[str, str]:

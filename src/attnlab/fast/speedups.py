@@ -10,22 +10,16 @@ from attnlab.fast.attention import (
     FastMultiHeadAttention,
     UnpaddedEncoder,
 )
-from attnlab.fast.linear import (
-    FastMLMHead,
-    FastTransformer,
-    PackedFeedForward,
-    PackedLinear,
-    TrainingLinear,
-)
-from attnlab.fast.loss import BlockedCrossEntropy, BlockedKLDivergence
-from attnlab.fast.route import has_onednn
+from attnlab.fast.linear import FastGPT, FastMLMHead, FastTransformer, TrainingLinear
+from attnlab.fast.loss import BlockedKLDivergence
 from attnlab.fast.swap import INFERENCE, TRAINING, Speedup
 from attnlab.fast.training import TRAINER_SPEEDUPS
 from attnlab.models.bert import BertMLMHead
+from attnlab.models.gpt import GPT
 from attnlab.models.seq2seq import Transformer
 from attnlab.nn.attention import MultiHeadAttention
-from attnlab.nn.blocks import Encoder, EncoderLayer, FeedForward
-from attnlab.nn.loss import SummedCrossEntropy, SummedKLDivergence
+from attnlab.nn.blocks import Encoder, EncoderLayer
+from attnlab.nn.loss import SummedKLDivergence
 
 
 def _always() -> bool:
@@ -40,25 +34,17 @@ SPEEDUPS: list[Speedup] = [
         "gradient; bf16 autocast's products by the fp32 kernel where bf16 is not fast",
     ),
     Speedup(
-        "packed", nn.Linear, PackedLinear, (INFERENCE,), has_onednn,
-        "CPU fp32 inference on weights packed once for oneDNN (needs oneDNN)",
+        "tied_projection", BertMLMHead, FastMLMHead, (TRAINING,), _always,
+        "BERT's tied vocabulary projection by the linear twin's routes (bf16 by the fp32 "
+        "kernel where bf16 is not fast)",
     ),
     Speedup(
-        "packed_relu", FeedForward, PackedFeedForward, (INFERENCE,), has_onednn,
-        "a ReLU feed-forward's first packed product applies the ReLU as it writes (needs oneDNN)",
-    ),
-    Speedup(
-        "tied_projection", BertMLMHead, FastMLMHead, (TRAINING, INFERENCE), _always,
-        "BERT's tied vocabulary projection as the linear twins compute, the lookups' sparse rows "
-        "taken in place",
-    ),
-    Speedup(
-        "tied_projection", Transformer, FastTransformer, (TRAINING, INFERENCE), _always,
+        "tied_projection", Transformer, FastTransformer, (TRAINING,), _always,
         "the Transformer's tied output projection, likewise",
     ),
     Speedup(
-        "cross_entropy", SummedCrossEntropy, BlockedCrossEntropy, (TRAINING,), _always,
-        "CPU MLM loss: one log-sum-exp a row kept, the gradient written a block of rows at a time",
+        "tied_projection", GPT, FastGPT, (TRAINING,), _always,
+        "GPT's LM head, likewise",
     ),
     Speedup(
         "kl_divergence", SummedKLDivergence, BlockedKLDivergence, (TRAINING,), _always,
@@ -72,14 +58,14 @@ SPEEDUPS: list[Speedup] = [
         "dropout attention as one autograd function, beams sharing cross-attention keys",
     ),
     Speedup(
-        "kept_rows", EncoderLayer, FastEncoderLayer, (TRAINING, INFERENCE), _always,
+        "kept_rows", EncoderLayer, FastEncoderLayer, (TRAINING,), _always,
         "an encoder layer can compute some positions only (with the kept_rows encoder)",
     ),
     Speedup(
-        "kept_rows", Encoder, FastEncoder, (TRAINING, INFERENCE), _always,
+        "kept_rows", Encoder, FastEncoder, (TRAINING,), _always,
         "with BertModel's keep, the last layer computes only the kept positions",
     ),
-    Speedup(  # after kept_rows: the encoder's inference twin when both are chosen
+    Speedup(
         "unpadded", Encoder, UnpaddedEncoder, (INFERENCE,), _always,
         "in evaluation with BertModel's keep, no layer computes padding: the position-wise "
         "parts run on the real tokens only",

@@ -3,10 +3,7 @@
 A twin is a subclass of a plain module class that adds no parameters or buffers and computes
 the same function (tested equal, values and gradients) by a faster route on some hardware.
 Swapping sets ``module.__class__``: parameters, state-dict names and optimiser state are
-untouched, and ``to_plain`` undoes it. A twin may keep state it builds on first use (a packed
-weight) as plain attributes named in its ``fast_state``; every swap drops them, so such state
-lives from one swap to the next (the weights must not change in between: a fused optimiser
-updates them without a trace a twin could check).
+untouched, and ``to_plain`` undoes it.
 
 Speed-ups that are not modules (the trainer's, fast/training.py) are listed the same way,
 without a plain class or twin, so that one ``ATTNLAB_SPEEDUPS`` names them all.
@@ -81,32 +78,20 @@ def _plain_class(cls: type) -> type:
     return cls
 
 
-KEEP_STATE = "_attnlab_keep_state"  # set by fast.for_serving: the weights never change
-
-
-def _set_class(module: nn.Module, cls: type) -> None:
-    """Give module the class cls, first dropping the state its twin class built (kept where
-    the class stays and fast.for_serving froze the model: its packs outlive every job)."""
-    if type(module) is cls and module.__dict__.get(KEEP_STATE, False):
-        return
-    for name in getattr(type(module), "fast_state", ()):
-        module.__dict__.pop(name, None)
-    module.__class__ = cls
-
-
 def swap(model: nn.Module, speedups: list[Speedup]) -> nn.Module:
     """Give every module of a speed-up's plain class (or another twin of it) that twin's class."""
     twins = {s.plain: s.twin for s in speedups if s.plain is not None}
     for module in model.modules():
         twin = twins.get(_plain_class(type(module)))
-        _set_class(module, type(module) if twin is None else twin)
+        if twin is not None:
+            module.__class__ = twin
     return model
 
 
 def to_plain(model: nn.Module) -> nn.Module:
     """Undo every swap: each twin module gets its plain class back."""
     for module in model.modules():
-        _set_class(module, _plain_class(type(module)))
+        module.__class__ = _plain_class(type(module))
     return model
 
 
@@ -119,4 +104,4 @@ def swapped(model: nn.Module, speedups: list[Speedup]) -> Iterator[nn.Module]:
         yield model
     finally:
         for module, cls in before.items():
-            _set_class(module, cls)
+            module.__class__ = cls

@@ -152,6 +152,10 @@ class GPT(nn.Module):
         """The LM head's (vocab, d_model) matrix: the token embedding when tied."""
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
+    def project(self, hidden: Tensor) -> Tensor:
+        """Final hidden states (..., d_model) -> next-token logits (..., vocab_size)."""
+        return F.linear(hidden, self.output_weight())
+
     def new_cache(self) -> GPTCache:
         """An empty key/value cache for incremental decoding with this model."""
         return GPTCache(self.config.n_layers)
@@ -196,7 +200,7 @@ class GPT(nn.Module):
             cache.key_mask = key_mask
         if last_only:
             x = x[:, -1:]
-        logits = F.linear(self.final_norm(x), self.output_weight())
+        logits = self.project(self.final_norm(x))
         out = GPTOutput(logits=logits)
         if targets is not None:
             out["loss"] = next_token_loss(logits, targets)

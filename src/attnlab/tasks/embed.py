@@ -113,7 +113,7 @@ def embed(
         on_truncate(len(truncated))
     results: list[Tensor | None] = [None] * len(encodings)
     device = next(model.parameters()).device  # the batches go where the model is (a GPU)
-    # The inference twins (fp32: weights packed once for every batch) while it runs.
+    # The inference twins (no layer computes padding) while it runs.
     with eval_mode(model), fast.inference_twins(model):
         for batch in length_batches(encodings, tokenizer.pad_id, max_tokens, max_batch):
             vectors = _embed_batch(model, batch, pooling, normalize, device, dtype)

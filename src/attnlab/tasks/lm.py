@@ -769,8 +769,8 @@ def generate_texts(
     if stream is not None:
         next(stream)
     completions = []
-    # The plain model: at one new token a step the inference twins (packed products, the
-    # CPU attention route) cost more than they save (bench/RESULTS.md, language-model speed).
+    # The plain model: at one new token a step the CPU attention route costs more than it
+    # saves (bench/RESULTS.md, kept speed-ups).
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         longest = max(map(len, chunk))

@@ -200,7 +200,7 @@ def evaluation(
             "nsp_count": 0,
         }
         device = next(model.parameters()).device
-        with fast.inference_twins(model):  # e.g. weights packed once for every batch
+        with fast.inference_twins(model):  # e.g. no layer computes padding
             for batch in batches:
                 batch = {k: v.to(device) for k, v in batch.items()}
                 out = model(**batch)

@@ -213,7 +213,7 @@ def translate_lines(
     batches = [(pad_batch([ids[j] for j in c], tokenizer.pad_id).to(device), None) for c in chunks]
     if workers is None:  # GPU kernels of two batches would only queue behind each other
         workers = torch.get_num_threads() if device.type == "cpu" else 1
-    with fast.inference_twins(model):  # packed weights, CPU attention routes
+    with fast.inference_twins(model):  # CPU attention routes
         hyps = _decode_batches(model, batches, chunks, workers, options, progress)
     if progress is not None:
         progress(len(lines) - len(todo))  # the empty lines
@@ -499,8 +499,7 @@ def evaluation(
     def evaluate(model: nn.Module) -> dict[str, float]:
         device = next(model.parameters()).device
         loss = nll = tokens = 0.0
-        # Inference twins, swapped in for this evaluation only: their packed weights are made
-        # from this step's weights and dropped after.
+        # Inference twins, swapped in for this evaluation only.
         with fast.inference_twins(model):
             for batch in batches.once():
                 out = model(**{k: v.to(device) for k, v in batch.items()})

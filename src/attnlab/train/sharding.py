@@ -65,11 +65,8 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 def clipped_step(
     optimizer: torch.optim.Optimizer, parameters: Iterable[Tensor], max_norm: float
 ) -> Tensor:
-    """The plain clipped step (TrainerHooks) on sharded gradients; the total norm as a plain tensor.
-
-    The speed-ups' clipped step reads whole gradients (kept embedding rows):
-    under fsdp the trainer takes this one instead.
-    """
+    """The plain clipped step (TrainerHooks) on sharded gradients; the total norm, which comes
+    as a DTensor, as a plain tensor."""
     norm = TrainerHooks().clipped_step(optimizer, parameters, max_norm)
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
