@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from attnlab import fast
 from attnlab.fast.attention import cpu_attention as scaled_dot_product_attention
-from attnlab.fast.dropout import dropout, keep_mask
+from attnlab.fast.dropout import FastDropout, dropout, keep_mask
 from attnlab.nn.attention import MultiHeadAttention, padding_bias
 
 
@@ -76,6 +76,9 @@ def test_evaluation_zero_and_one() -> None:
     assert dropout(x, 0.5, training=False) is x
     assert dropout(x, 0.0) is x
     assert torch.equal(dropout(x, 1.0), torch.zeros_like(x))
+    module = fast.for_training(torch.nn.Dropout(0.5), "dropout").eval()
+    assert type(module) is FastDropout and module(x) is x
+    assert module.p == 0.5 and module.state_dict() == {}
 
 
 def test_same_seed_same_mask() -> None:
@@ -126,6 +129,23 @@ def test_matches_torch_dropout_in_distribution() -> None:
     ours, theirs = dropout(x, 0.1), F.dropout(x, 0.1)
     assert abs((ours == 0).float().mean() - (theirs == 0).float().mean()) < 0.003
     assert abs(ours.mean() - theirs.mean()) < 0.003
+
+
+def test_fast_dropout_twin_is_the_plain_formula_with_its_mask() -> None:
+    # nn.Dropout drops with F.dropout's mask, the twin with keep_mask's; given the twin's
+    # mask, the plain formula h * keep / (1 - p) is what it computes, gradient included.
+    h = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(20), requires_grad=True)
+    module = fast.for_training(torch.nn.Dropout(0.3), "dropout")
+    assert type(module) is FastDropout
+    torch.manual_seed(21)
+    keep = keep_mask(h.shape, 0.3, h.device)
+    scale = 65536 / (65536 - round(0.3 * 65536))
+    torch.manual_seed(21)
+    out = module(h)
+    torch.testing.assert_close(out, h * keep * scale, rtol=0, atol=1e-6)
+    out.sum().backward()
+    torch.testing.assert_close(h.grad, keep * scale, rtol=0, atol=1e-6)
+    assert type(fast.to_plain(module)) is torch.nn.Dropout
 
 
 @pytest.mark.parametrize("case", ["self", "padded", "causal", "rows", "cross"])

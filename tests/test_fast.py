@@ -10,6 +10,7 @@ from torch import nn
 from attnlab import fast
 from attnlab.config import BertConfig
 from attnlab.errors import AttnlabError
+from attnlab.fast.dropout import FastDropout
 from attnlab.models.bert import BertForPreTraining
 
 
@@ -83,12 +84,12 @@ def test_the_environment_picks_speedups_by_name(monkeypatch: pytest.MonkeyPatch)
     assert names("training") == []
     monkeypatch.setenv("ATTNLAB_SPEEDUPS", "attention,linear")
     assert names("training") == ["linear", "attention"]  # in the registry's order
-    monkeypatch.setenv("ATTNLAB_SPEEDUPS", "-linear")
-    assert "linear" not in names("training") and "attention" in names("training")
+    monkeypatch.setenv("ATTNLAB_SPEEDUPS", "-dropout")
+    assert "dropout" not in names("training") and "linear" in names("training")
     model = fast.for_training(nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.1)))
-    assert type(model[0]) is nn.Linear and type(model[1]) is nn.Dropout
-    monkeypatch.setenv("ATTNLAB_SPEEDUPS", "linear")
-    assert type(fast.for_training(model)[0]) is not nn.Linear
+    assert type(model[0]) is not nn.Linear and type(model[1]) is nn.Dropout
+    monkeypatch.setenv("ATTNLAB_SPEEDUPS", "dropout")
+    assert type(fast.for_training(model)[1]) is FastDropout
     monkeypatch.setenv("ATTNLAB_SPEEDUPS", "linear,-attention")
     with pytest.raises(AttnlabError, match="not both"):
         fast.chosen("training")

@@ -55,6 +55,7 @@ def test_only_the_gradients_asked_for():
 
 
 def test_training_route_serves_cpu_fp32_and_nothing_else(monkeypatch):
+    monkeypatch.setattr(linear_module, "onednn_trains_faster", lambda: True)
     calls = []
     apply = _TrainingLinear.apply
     monkeypatch.setattr(_TrainingLinear, "apply", lambda *a: calls.append(1) or apply(*a))
@@ -68,6 +69,9 @@ def test_training_route_serves_cpu_fp32_and_nothing_else(monkeypatch):
     linear(x, w.t().contiguous().t())  # a non-contiguous weight: F.linear
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert linear(x, w).dtype == torch.bfloat16  # autocast keeps its own casts
+    assert len(calls) == 1
+    monkeypatch.setattr(linear_module, "onednn_trains_faster", lambda: False)
+    linear(x, w)  # where MKL trains as fast, F.linear itself (which calls MKL)
     assert len(calls) == 1
 
 

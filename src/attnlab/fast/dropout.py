@@ -1,8 +1,8 @@
-"""A cheaper CPU dropout mask, for the attention twin's dropout on the attention weights.
+"""A cheaper CPU dropout mask: ``FastDropout``, twin of ``nn.Dropout``, and the attention twin's
+dropout on the attention weights.
 
-PyTorch's ``F.dropout`` on CPU draws one random number per element with ``bernoulli_``; the
-attention weights of a training step are the largest tensor it would draw for (batch x heads
-x seq x seq). Here each 64-bit random draw gives four
+PyTorch's ``F.dropout`` on CPU draws one random number per element with ``bernoulli_``, the
+largest cost of a training step after the products. Here each 64-bit random draw gives four
 16-bit uniform integers, and an element is dropped when its integer falls among the lowest
 ``round(p * 2**16)`` of the 65,536 values. So the drop rate is p rounded to a multiple of
 2**-16 (0.1 becomes 0.100006), and the survivors are scaled by the reciprocal of the rounded
@@ -13,9 +13,6 @@ The 64-bit draws come from numpy's PCG64DXSM, seeded from PyTorch's default gene
 seed per mask): so ``torch.manual_seed`` fixes the masks and a checkpoint's RNG state restores
 them (resume stays bit-exact). The masked product ``h * keep * scale`` is one ``addcmul``,
 one pass over the data (``_MaskedScale``).
-
-The twins of ``nn.Dropout`` and of the residual sum built on this mask were removed: they
-bought under 5% on the pretraining and fine-tuning steps (bench/RESULTS.md, kept speed-ups).
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx
 
 _LEVELS = 1 << 16  # values of one 16-bit random integer
@@ -86,3 +83,11 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     if has_keep_mask(p):
         return _MaskedScale.apply(x, keep_mask(x.shape, p, x.device), dropout_scale(p))
     return x if round(p * _LEVELS) == 0 else x * 0.0  # p within 2**-17 of 0 or of 1
+
+
+class FastDropout(nn.Dropout):
+    """Twin of nn.Dropout (same attribute ``p``, no state) with the cheaper CPU mask above."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x -> x with elements dropped and the rest rescaled (training), or x (evaluation)."""
+        return dropout(x, self.p, self.training)

@@ -3,10 +3,9 @@
 Training (``TrainingLinear``). On CPU, ``F.linear`` calls MKL's general matrix product. On AMD
 processors with AVX-512 oneDNN's product (reached through ``torch.ops.mkldnn._linear_pointwise``)
 was the faster one for the shapes of a BERT training step, and MKL everywhere else
-(fast/route.py). So while gradients are on, the forward product and the
-gradient with respect to the input go through that library; the weight's gradient (dy^T x) is
-one ``torch.mm`` everywhere, a contiguous (out, in) tensor of its own (where F.linear's
-autograd gives the transpose of an (in, out) one).
+(fast/route.py). So there, while gradients are on, the forward product and the gradient with
+respect to the input go through oneDNN (``_TrainingLinear``; the weight's gradient dy^T x is one
+``torch.mm``); elsewhere fp32 runs ``F.linear`` itself.
 
 bf16 autocast on a CPU whose bf16 products are no faster than fp32 (fast/route.py:
 fast_bf16_matmul) gets the same bf16 products from the fp32 kernel: inputs rounded to bf16,
@@ -68,7 +67,7 @@ def _linear_grads(
 
 
 class _TrainingLinear(torch.autograd.Function):
-    """F.linear whose weight gradient is a contiguous tensor of its own, products by _product."""
+    """F.linear with the forward product and the input's gradient by _product (oneDNN here)."""
 
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -172,11 +171,14 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """y = x W^T + b; for CPU fp32 tensors that need gradients, through _TrainingLinear."""
+    """y = x W^T + b; for CPU fp32 tensors that need gradients where oneDNN trains faster, through
+    _TrainingLinear."""
     if bf16_by_fp32(x, weight, *([] if bias is None else [bias])):
         return _Bf16Linear.apply(x, weight, bias)
     if (
-        torch.is_grad_enabled()
+        onednn_trains_faster()
+        and has_onednn()
+        and torch.is_grad_enabled()
         and (weight.requires_grad or x.requires_grad)
         and x.dtype == torch.float32
         and x.device.type == "cpu"
