@@ -7,7 +7,7 @@ sliding-window method (window 256, stride 128):
 
 - attnlab: the CLI, ``attnlab lm train --preset gpt-char --max-minutes M`` with its defaults
   (AdamW at the rate its width gets, 2e-3, betas (0.9, 0.99), weight decay 0.1, warm-up
-  planned from the clock, linear decay, batch 32, random windows);
+  planned from the clock, linear decay, batch 32 or --batch-size, random windows);
 - HF: ``GPT2LMHeadModel`` of the same config, the same optimizer settings (peak rate 2e-3
   too), the same random windows (attnlab's ``WindowBatches`` with the same seed), clipping at
   1.0, a cosine decay (``get_cosine_schedule_with_warmup``, 10% warm-up) over the steps that
@@ -17,6 +17,7 @@ The runs are one after the other, attnlab's first (its tokenizer gives both side
 Printed: steps, tokens/s and held-out loss (nats/char) of each, one JSON line at the end.
 
 Usage: python bench/lm_quality.py [--corpus FILE] [--minutes 10] [--threads 2] [--out DIR]
+       [--batch-size 32]
 """
 
 from __future__ import annotations
@@ -42,15 +43,18 @@ from attnlab.tasks.lm import GPT_BETAS, GPT_EPS, HELD_OUT_SHARE, default_lr, loa
 from attnlab.text.token_stream import TokenStream, WindowBatches, held_out_split
 from attnlab.train.optim import build_optimizer
 
-SEQ_LEN, BATCH, STRIDE = 256, 32, 128
+SEQ_LEN, STRIDE = 256, 128
 LR = default_lr(192)  # the peak rate attnlab's lm train gives gpt-char's width
 
 
-def train_attnlab(corpus: Path, out: Path, minutes: float, threads: int) -> dict[str, Any]:
-    """`attnlab lm train` with the preset's defaults and a time limit; its summary line."""
+def train_attnlab(
+    corpus: Path, out: Path, minutes: float, threads: int, batch_size: int
+) -> dict[str, Any]:
+    """`attnlab lm train` with the preset's defaults, a batch size and a time limit; its summary."""
     command = [sys.executable, "-m", "attnlab", "lm", "train", "--corpus", str(corpus),
                "--out", str(out), "--preset", "gpt-char", "--max-minutes", str(minutes),
-               "--threads", str(threads), "--no-progress", "--overwrite"]  # fmt: skip
+               "--batch-size", str(batch_size), "--threads", str(threads), "--no-progress",
+               "--overwrite"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -106,7 +110,8 @@ def train_hf(hf: torch.nn.Module, batches: WindowBatches, minutes: float) -> dic
         done += 1
     seconds = time.perf_counter() - started
     return {"steps": done, "planned": steps, "train_loss": loss,
-            "tokens_per_s": done * BATCH * SEQ_LEN / seconds, "seconds": seconds}  # fmt: skip
+            "tokens_per_s": done * batches.batch_size * SEQ_LEN / seconds,
+            "seconds": seconds}  # fmt: skip
 
 
 def copy_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -132,19 +137,20 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, help="attnlab's run folder (default: a temporary one)")
+    parser.add_argument("--batch-size", type=int, default=32, help="windows a step, both sides")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(machine(), f"| gpt-char, {args.minutes:g} min each", time.strftime("%Y-%m-%d %H:%M"))
     with tempfile.TemporaryDirectory() as scratch:
         out = args.out or Path(scratch) / "attnlab"
-        ours = train_attnlab(args.corpus, out, args.minutes, args.threads)
+        ours = train_attnlab(args.corpus, out, args.minutes, args.threads, args.batch_size)
         model, tokenizer = load_lm(out)
         stream = TokenStream.build([args.corpus], tokenizer, Path(scratch) / "cache").tokens
         train, held = held_out_split(stream, HELD_OUT_SHARE)
         ours["held_out"] = score_stream(model, held.tolist(), STRIDE, SEQ_LEN)
         print(f"attnlab  {ours['step']} steps, held-out loss {ours['held_out']['loss']:.4f}")
         hf = hf_model(model.config.vocab_size).train()
-        theirs = train_hf(hf, WindowBatches(train, SEQ_LEN, BATCH, seed=0), args.minutes)
+        theirs = train_hf(hf, WindowBatches(train, SEQ_LEN, args.batch_size, seed=0), args.minutes)
         theirs["held_out"] = score_stream(HFAsGPT(hf.eval()), held.tolist(), STRIDE, SEQ_LEN)
         print(f"HF       {theirs['steps']} steps ({theirs['tokens_per_s']:.0f} tokens/s), "
               f"held-out loss {theirs['held_out']['loss']:.4f}")  # fmt: skip
