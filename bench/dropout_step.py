@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from finetune import minilm_dir, read_sst2
 
 from attnlab import fast
-from attnlab.fast.dropout import FastDropout
 from attnlab.interop.hf import load_task_model
+from attnlab.text.parallel import pad_batch
 from attnlab.text.tokenizer import BertTokenizer
 from attnlab.train.hooks import TrainerHooks
 from attnlab.train.optim import build_optimizer
@@ -37,10 +37,9 @@ def sst2_batches(tokenizer: BertTokenizer, count: int) -> list[tuple[torch.Tenso
     batches = []
     for start in range(0, len(rows), 32):
         chunk = rows[start : start + 32]
-        encoded = [tokenizer.encode(text).ids[:128] for text, _ in chunk]
-        width = max(map(len, encoded))
-        ids = torch.tensor([e + [0] * (width - len(e)) for e in encoded])
-        batches.append((ids, (ids != 0).long(), torch.tensor([label for _, label in chunk])))
+        ids = pad_batch([tokenizer.encode(text).ids[:128] for text, _ in chunk], tokenizer.pad_id)
+        mask = (ids != tokenizer.pad_id).long()
+        batches.append((ids, mask, torch.tensor([label for _, label in chunk])))
     return batches
 
 
@@ -65,7 +64,10 @@ def main() -> None:
     for done in range(args.passes):
         kind = "twin" if done % 2 == 0 else "plain"
         for module in dropouts:
-            module.__class__ = FastDropout if kind == "twin" else torch.nn.Dropout
+            if kind == "twin":
+                fast.for_training(module, "dropout")
+            else:
+                fast.to_plain(module)
         for index, (ids, mask, labels) in enumerate(batches):
             started = time.perf_counter()
             model(ids, attention_mask=mask, labels=labels)["loss"].backward()

@@ -34,13 +34,17 @@ if TYPE_CHECKING:
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's malloc.h
 
 
+def _glibc() -> bool:
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
 @functools.cache
 def keep_freed_memory() -> bool:
     """Make glibc malloc reuse freed memory (no per-step page faults); True where it is in effect.
 
     For the whole process, once; False off glibc.
     """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not _glibc():
         return False
     libc = ctypes.CDLL(None)
     # Every request from the heap (glibc still maps memory when the heap cannot grow), and the
@@ -50,12 +54,8 @@ def keep_freed_memory() -> bool:
 
 def release_freed_memory() -> None:
     """Hand glibc malloc's free pages (in every arena, not only the heap's top) back to the system."""
-    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+    if _glibc():
         ctypes.CDLL(None).malloc_trim(0)
-
-
-def _glibc() -> bool:
-    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
 TRAINER_SPEEDUPS = [
