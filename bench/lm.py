@@ -15,13 +15,8 @@ rows at random), so both make exactly the same number of tokens. attnlab runs as
 generate` does (the plain model: the inference twins cost more than they save at one token a
 step; KV cache); HF's ``generate(do_sample=True)``.
 
-The quality figure (issue 39 item 7c) is a CLI run, not this script:
-
-    attnlab lm train --corpus ../shared/data/tinyshakespeare/input.txt --out runs/shakespeare \
-        --preset gpt-char --max-minutes 10 --threads 2
-    python -c "t = open('../shared/data/tinyshakespeare/input.txt').read(); \
-        open('/tmp/held.txt', 'w').write(t[int(len(t) * 0.9):])"   # the run's held-out 10%
-    attnlab lm eval --model runs/shakespeare --data /tmp/held.txt --stride 128 --seq-len 256
+The quality figure on a time budget (issue 39 item 7c) is `bench/lm_quality.py`: `attnlab lm
+train --max-minutes` against HF for the same minutes, both scored on the held-out 10%.
 
 ``train --ceiling`` also profiles each side's step (torch.profiler) and prints the time spent
 in the kernels both sides run alike (products, fused attention, fused AdamW): HF's step time

@@ -6,18 +6,21 @@ same held-out text (the corpus's last 10%, as nanoGPT splits shakespeare) by HF'
 sliding-window method (window 256, stride 128):
 
 - attnlab: the CLI, ``attnlab lm train --preset gpt-char --max-minutes M`` with its defaults
-  (AdamW at the rate its width gets, 2e-3, betas (0.9, 0.99), weight decay 0.1, warm-up
-  planned from the clock, linear decay, batch 32 or --batch-size, random windows);
+  (AdamW at the rate its width gets, 2e-3, betas (0.9, 0.99), weight decay 0.1, a warm-up of
+  10% and a linear decay to 0 over the steps the trainer plans from its step rate as it goes,
+  its default batch or --batch-size, random windows);
 - HF: ``GPT2LMHeadModel`` of the same config, the same optimizer settings (peak rate 2e-3
   too), the same random windows (attnlab's ``WindowBatches`` with the same seed), clipping at
-  1.0, a cosine decay (``get_cosine_schedule_with_warmup``, 10% warm-up) over the steps that
-  a 10-step timing probe says fit the minutes; training stops when the clock runs out.
+  1.0, HF's cosine decay with a 10% warm-up (``get_cosine_schedule_with_warmup``'s factor)
+  over the steps the clock allows, planned by the rules of attnlab's trainer (every 10 steps,
+  at 90% of the step rate so far, the decay re-planned from the factor in force); it stops
+  there, or when the clock runs out.
 
 The runs are one after the other, attnlab's first (its tokenizer gives both sides their ids).
 Printed: steps, tokens/s and held-out loss (nats/char) of each, one JSON line at the end.
 
 Usage: python bench/lm_quality.py [--corpus FILE] [--minutes 10] [--threads 2] [--out DIR]
-       [--batch-size 32]
+       [--batch-size B]
 """
 
 from __future__ import annotations
@@ -34,14 +37,27 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import SHARED_DATA, machine
 from lm import hf_step
 
-from attnlab.tasks.lm import GPT_BETAS, GPT_EPS, HELD_OUT_SHARE, default_lr, load_lm, score_stream
+from attnlab.tasks.lm import (
+    GPT_BETAS,
+    GPT_EPS,
+    HELD_OUT_SHARE,
+    MOST_WARMUP,
+    TIMED_STEPS,
+    WARMUP_SHARE,
+    LMOptions,
+    default_lr,
+    load_lm,
+    score_stream,
+)
 from attnlab.text.token_stream import TokenStream, WindowBatches, held_out_split
-from attnlab.train.optim import build_optimizer
+from attnlab.train.optim import build_optimizer, planned_warmup
+from attnlab.train.trainer import PLAN_EVERY, PLAN_RATE_SHARE
 
 SEQ_LEN, STRIDE = 256, 128
 LR = default_lr(192)  # the peak rate attnlab's lm train gives gpt-char's width
@@ -84,49 +100,54 @@ def hf_model(vocab_size: int) -> torch.nn.Module:
 
 
 def train_hf(hf: torch.nn.Module, batches: WindowBatches, minutes: float) -> dict[str, Any]:
-    """Train hf on the windows until the clock runs out; cosine over the steps that fit."""
-    from transformers import get_cosine_schedule_with_warmup
-
+    """Train hf on the windows for the minutes: HF's cosine decay over the steps the clock
+    allows, planned by the rules of attnlab's trainer (Trainer._plan_schedule)."""
     optimizer = build_optimizer(hf, LR, 0.1, GPT_BETAS, GPT_EPS)
-    data = iter(batches)
-
-    def step() -> float:
-        return hf_step(hf, optimizer, next(data))
-
-    started = time.perf_counter()
-    probe = copy_state(hf, optimizer)  # the probe's steps are undone: the run starts fresh
-    for _ in range(10):
-        step()
-    step_s = (time.perf_counter() - started) / 10
-    restore_state(hf, optimizer, probe)
-    batches.step = 0
-    data = iter(batches)
-    steps = max(1, int(0.97 * minutes * 60 / step_s))
-    schedule = get_cosine_schedule_with_warmup(optimizer, steps // 10, steps)
+    plan = HFPlan()
+    schedule = LambdaLR(optimizer, plan.factor)
+    data, budget = iter(batches), minutes * 60
     started, done, loss = time.perf_counter(), 0, math.nan
-    while done < steps and time.perf_counter() - started < minutes * 60:
-        loss = step()
+    while done < plan.total and time.perf_counter() - started < budget:
+        loss = hf_step(hf, optimizer, next(data))
         schedule.step()
         done += 1
+        if done % PLAN_EVERY == 0:
+            elapsed = time.perf_counter() - started
+            plan.update(
+                done, done + math.ceil((budget - elapsed) * PLAN_RATE_SHARE * done / elapsed)
+            )
+            for group in optimizer.param_groups:  # the next step's rate, by the new plan
+                group["lr"] = LR * plan.factor(done)
     seconds = time.perf_counter() - started
-    return {"steps": done, "planned": steps, "train_loss": loss,
+    return {"steps": done, "planned": plan.total, "train_loss": loss,
             "tokens_per_s": done * batches.batch_size * SEQ_LEN / seconds,
             "seconds": seconds}  # fmt: skip
 
 
-def copy_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Deep copies of the model's and optimizer's states."""
-    import copy
+class HFPlan:
+    """HF's get_cosine_schedule_with_warmup factor, its warm-up and end planned as attnlab's
+    trainer plans its linear decay: while warming up, a warm-up of 10% of the steps the clock
+    allows; after it, half a cosine from the factor in force to 0 at the new end (no jump)."""
 
-    return copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    def __init__(self) -> None:
+        self.warmup, self.total = MOST_WARMUP, TIMED_STEPS
+        self.start, self.start_factor = 0, 1.0  # where the cosine in force starts, and at what
 
+    def update(self, step: int, total: int) -> None:
+        """Plan the run to end at total, at step."""
+        if step < self.warmup:
+            self.warmup = planned_warmup(total, WARMUP_SHARE, MOST_WARMUP)
+            self.start, self.total = self.warmup, total
+        else:
+            self.start, self.start_factor, self.total = step, self.factor(step), total
 
-def restore_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: tuple[dict, dict]
-) -> None:
-    """Put back the states copy_state took."""
-    model.load_state_dict(state[0])
-    optimizer.load_state_dict(state[1])
+    def factor(self, step: int) -> float:
+        """The learning-rate factor at step."""
+        if step < self.warmup:
+            return step / max(1, self.warmup)
+        start = max(self.start, self.warmup)
+        progress = min(1.0, (step - start) / max(1, self.total - start))
+        return self.start_factor * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def main() -> None:
@@ -137,7 +158,8 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, help="attnlab's run folder (default: a temporary one)")
-    parser.add_argument("--batch-size", type=int, default=32, help="windows a step, both sides")
+    parser.add_argument("--batch-size", type=int, default=LMOptions.batch_size,
+                        help="windows a step, both sides (default: lm train's)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(machine(), f"| gpt-char, {args.minutes:g} min each", time.strftime("%Y-%m-%d %H:%M"))

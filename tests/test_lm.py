@@ -171,7 +171,7 @@ def test_lm_train_learns_and_reports_held_out_perplexity(lm, corpus, tiny_config
     assert "holding out the last" in captured.err
     for name in ("config.json", "model.safetensors", "tokenizer.json", "metrics.jsonl", "loss.png"):
         assert (out / name).is_file(), name
-    assert summary["warmup"] == 4  # 10% of the 40 steps
+    assert summary["planned_warmup"] == 4  # 10% of the 40 steps
     train = [r for r in rows(out) if not r.get("eval")]
     evals = [r for r in rows(out) if r.get("eval")]
     assert [r["step"] for r in evals] == [20, 40]
@@ -190,17 +190,24 @@ def test_lm_train_learns_and_reports_held_out_perplexity(lm, corpus, tiny_config
     assert evals[-1]["valid_loss"] == pytest.approx(float(nll), rel=1e-4)
 
 
-def test_a_time_limited_run_plans_its_steps_and_warm_up(lm, corpus, tiny_config, tmp_path):
-    opts = lm.LMOptions(out=tmp_path / "x", corpus=[corpus], max_minutes=1.0, eval_every=10)
+def test_a_runs_plan_of_steps_and_warm_up(lm, corpus, tiny_config, tmp_path, capsys):
     config = lm.GPTConfig.preset("gpt-char", vocab_size=30, **TINY_MODEL)
-    # 0.97 x 60 s less one evaluation (2 s), at 0.5 s a step + 2 s every 10 steps: 80 steps
-    plan = lm.plan_run(opts, config, measured=(0.5, 2.0))
-    assert (plan.steps, plan.warmup) == (80, 8)
-    given = lm.LMOptions(out=tmp_path / "x", corpus=[corpus], max_minutes=1.0, warmup=50)
-    assert lm.plan_run(given, config, measured=(0.5, 0.0)).warmup == 11  # 10% of 116 steps
-    assert (
-        lm.plan_run(lm.LMOptions(out=tmp_path, corpus=[corpus], steps=20), config, None).steps == 20
-    )
+
+    def plan(**given: object) -> tuple[int, int]:
+        found = lm.plan_run(lm.LMOptions(out=tmp_path, corpus=[corpus], **given), config)
+        return found.steps, found.warmup
+
+    assert plan() == (5000, 500)  # 10% of the default 5,000 steps
+    assert plan(steps=20_000) == (20_000, 1000)  # at most 1,000
+    assert plan(steps=300, warmup=50) == (300, 30)  # never above 10%, with a note
+    assert "warmup 50 cut to 30" in capsys.readouterr().err
+    # Under a time limit the trainer plans both from its step rate (tests/test_schedule.py):
+    # the run starts with the longest warm-up it may keep and no length but --steps.
+    assert plan(max_minutes=1.0) == (10**9, 1000)
+    assert plan(max_minutes=1.0, steps=300, warmup=50) == (300, 50)
+    options = lm.LMOptions(out=tmp_path, corpus=[corpus], max_minutes=1.0, lr=1e-3)
+    timed = lm.trainer_config(options, lm.plan_run(options, config))
+    assert (timed.warmup_share, timed.max_seconds, timed.schedule) == (0.1, 60.0, "linear")
 
 
 def test_the_default_learning_rate_follows_the_width_and_a_given_one_wins(
@@ -226,9 +233,13 @@ def test_a_time_limited_run_stops_near_its_plan(lm, corpus, tiny_config, tmp_pat
     args = train_args(corpus, out, tiny_config, "--max-minutes", "0.1", "--eval-every", 0)
     assert main([*args, "--steps", "100000"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert 2 <= summary["planned_steps"] < 100000  # a loaded machine plans few
-    assert summary["warmup"] <= summary["planned_steps"] // 10
+    assert 10 <= summary["planned_steps"] < 100000  # planned at step 10, from the step rate
+    # 10% of the steps planned when the warm-up ended; the decay's end follows the clock after
+    assert summary["planned_warmup"] <= 0.2 * summary["planned_steps"] + 1
     assert summary["step"] <= summary["planned_steps"]
+    lrs = [row["lr"] for row in rows(out) if "lr" in row]
+    if summary["step"] == summary["planned_steps"]:  # the decay ended with the run
+        assert lrs[-1] < 0.1 * max(lrs)
 
 
 def test_resume_after_two_sigkills_is_bit_identical(lm, corpus, tiny_config, tmp_path):

@@ -7,6 +7,7 @@ machine's speed.
 
 from __future__ import annotations
 
+import itertools
 import types
 from pathlib import Path
 
@@ -93,6 +94,31 @@ def test_a_time_limited_runs_warmup_is_at_most_a_tenth_of_its_steps(tmp_path, cl
     assert lrs.index(max(lrs)) <= warmup  # ...at the end of the planned warm-up
     if schedule == "linear":  # the decay ends about when the clock does
         assert lrs[-1] < 0.15 * 1e-3
+
+
+def test_a_planned_linear_decay_ends_with_the_clock_even_after_a_short_warmup(tmp_path, clock):
+    # A warm-up of 3 steps is over before the first plan (step 10); the decay is planned there
+    # all the same and again every 10 steps, and the run ends where it reaches 0: at the clock
+    # (200 s = 191 steps of 1 s and 3 evaluations of 3 s), not earlier and not at lr 0 after.
+    summary, rows = fit(tmp_path, clock, schedule="linear", warmup=3, warmup_share=0.1)
+    assert summary["planned_warmup"] == 3
+    assert summary["step"] == summary["planned_steps"] >= 185
+    lrs = [row["lr"] for row in rows]
+    decay = lrs[2:]  # rows every 2 steps: the peak at step 3 is over by the second row
+    drops = [earlier - later for earlier, later in itertools.pairwise(decay)]
+    assert min(drops) >= 0 and max(drops) < 0.03 * 1e-3  # it only falls, and with no jump
+    assert lrs[-1] < 0.01 * 1e-3
+
+
+def test_a_redecay_goes_on_from_the_factor_in_force_to_zero_at_its_new_end() -> None:
+    schedule = Schedule("linear", 10, 100)
+    assert schedule(40) == pytest.approx(60 / 90)
+    schedule.redecay(40, 200)  # the clock allows more steps than planned: a gentler slope
+    assert schedule(40) == pytest.approx(60 / 90)
+    assert schedule(120) == pytest.approx(60 / 90 * 80 / 160)
+    assert schedule(200) == 0.0 and schedule(250) == 0.0
+    assert schedule(5) == 0.5  # the warm-up is unchanged
+    assert (schedule.warmup, schedule.total) == (10, 200)
 
 
 def test_an_explicit_warmup_wins_over_the_plan(tmp_path, clock):

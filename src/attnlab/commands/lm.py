@@ -45,7 +45,8 @@ def _add_train(actions: argparse._SubParsersAction) -> None:
     sub.add_argument("--seq-len", type=int, help="tokens per training window")
     sub.add_argument("--batch-size", type=int, help="windows per optimiser step")
     sub.add_argument("--grad-accum", type=int, help="micro-batches per step")
-    sub.add_argument("--steps", type=int, help="optimiser steps")
+    sub.add_argument("--steps", type=int,
+                     help="optimiser steps (default 5000; with --max-minutes: as many as fit)")  # fmt: skip
     sub.add_argument("--max-minutes", type=float,
                      help="stop after this long; the schedule is planned to end there")  # fmt: skip
     sub.add_argument("--warmup", type=int, help="warm-up steps (default 10%% of the run's)")

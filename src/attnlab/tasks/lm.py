@@ -7,8 +7,8 @@ next token at every position (nanoGPT's recipe), a ``GPT`` of a preset size, and
 shared trainer (AdamW, warm-up then linear decay, clipping, checkpoints, exact resume, DDP).
 Without ``valid`` the last 10% of the stream is held out, as nanoGPT splits shakespeare; its
 loss and perplexity = exp(loss) are measured every ``eval_every`` steps. Under ``max_minutes``
-the run's length is planned from a measured step (and evaluation) time, so the warm-up and
-the decay fit the steps the run will make.
+the trainer plans the run's length from its step rate while it warms up, so the warm-up and
+the decay fit the steps the clock allows.
 
 Scoring (``evaluate_lm``) is the mean next-token negative log-likelihood in nats: per line (a
 line's first token is not predicted) or, with ``stride``, over the file as one stream by HF's
@@ -21,13 +21,10 @@ An output directory is a GPT model folder (G1's interop/gpt2.py layout: ``config
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
-import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,11 +50,14 @@ from attnlab.text.token_stream import (
     text_chunks,
 )
 from attnlab.train.config import STRATEGIES, RunOptions
-from attnlab.train.optim import build_optimizer
+from attnlab.train.optim import planned_warmup
 from attnlab.train.trainer import TrainConfig, Trainer, check_run_out, has_checkpoint, holds_run
 
-RUN_FILE = "lm_run.json"  # in --out: the model config and the planned length a resume reuses
+RUN_FILE = "lm_run.json"  # in --out: the model config, steps and warm-up a resume reuses
 HELD_OUT_SHARE = 0.1
+DEFAULT_STEPS = 5000  # a run's length when neither --steps nor --max-minutes sets it
+TIMED_STEPS = 10**9  # a time-limited run's nominal length: the trainer's plan and the clock end it
+WARMUP_SHARE, MOST_WARMUP = 0.1, 1000  # the default warm-up: 10% of the steps, at most 1000
 GPT_BETAS, GPT_EPS = (0.9, 0.99), 1e-8  # nanoGPT's (beta2 0.99 for its small models)
 # (largest d_model, peak learning rate): the first row whose width fits the model's. Narrower
 # models take larger rates: GPT-3's table 2.1 (Brown et al. 2020) gives 6e-4 at 768 and 3e-4
@@ -79,9 +79,9 @@ class LMOptions(RunOptions):
     vocab_size: int | None = None  # a byte-level BPE learnt on corpus: None is 8000
     init: Path | None = None  # start from this GPT folder's weights
     seq_len: int = 256
-    batch_size: int = 32
+    batch_size: int = 4  # small: on a CPU's budget more, smaller steps learn more (docs/lm.md)
     grad_accum: int = 1
-    steps: int = 5000
+    steps: int | None = None  # None: DEFAULT_STEPS, or as many as max_minutes allows
     max_minutes: float | None = None
     lr: float | None = None  # None: by the model's width (LR_BY_WIDTH), printed by the run
     warmup: int | None = None  # None: 10% of the steps the run makes, at most 1000
@@ -89,7 +89,7 @@ class LMOptions(RunOptions):
     clip_norm: float = 1.0
     dropout: float | None = None  # None: the preset's
     position_encoding: str | None = None  # None: the preset's (learned, as GPT-2)
-    eval_every: int | None = 250
+    eval_every: int | None = 500
     eval_tokens: int = 131072  # held-out tokens scored per evaluation (0: all)
     save_every: int | None = 500
     cache_dir: Path | None = None
@@ -113,7 +113,7 @@ class LMOptions(RunOptions):
         if not self.corpus:
             raise AttnlabError("corpus: give at least one text file", options=("corpus",))
         for name in ("seq_len", "batch_size", "grad_accum", "steps"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise AttnlabError(f"{name} must be at least 1", options=(name,))
         for name in ("eval_tokens", "weight_decay", "clip_norm"):
             if not 0 <= getattr(self, name) < math.inf:
@@ -279,72 +279,22 @@ def prepare_data(opts: LMOptions, tokenizer: LMTokenizer) -> LMData:
     return LMData(batches, evaluate, notes)
 
 
-def measure_seconds(model: GPT, opts: LMOptions, data: LMData) -> tuple[float, float]:
-    """(seconds per optimiser step, seconds per evaluation), timed on a copy of the model.
-
-    The first steps pay for first use (allocations, threads starting): steps run until 3 s or
-    20 steps have passed, and the median of the later half counts.
-    """
-    rng = torch.get_rng_state()
-    device = _training_device()
-    trial = fast.for_training(NextTokenLoss(copy.deepcopy(model))).to(device)
-    optimizer = build_optimizer(trial, opts.lr, opts.weight_decay, GPT_BETAS, GPT_EPS)
-    batches = copy.copy(data.batches)
-    batches.step = 0
-    stream = iter(batches)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=opts.precision == "bf16")
-    times: list[float] = []
-    while len(times) < 4 or (len(times) < 20 and sum(times) < 3.0):
-        began = time.perf_counter()
-        for _ in range(opts.grad_accum):
-            batch = {k: v.to(device) for k, v in next(stream).items()}
-            with autocast:
-                loss = trial(**batch)["loss"]
-            (loss / opts.grad_accum).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - began)
-    later = sorted(times[len(times) // 2 :])
-    evaluation_s = 0.0
-    if data.evaluate is not None:
-        trial.eval()
-        with torch.no_grad():
-            for _ in range(2):  # the second, unless the first alone is long enough to tell
-                began = time.perf_counter()
-                data.evaluate(trial)
-                evaluation_s = time.perf_counter() - began
-                if evaluation_s > 2.0:
-                    break
-    torch.set_rng_state(rng)
-    return later[len(later) // 2], evaluation_s
-
-
-def _training_device() -> torch.device:
-    """The device the trainer will train on (its "auto": this process's GPU, else the CPU)."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
 def default_lr(d_model: int) -> float:
     """The peak learning rate of LR_BY_WIDTH for a model of this width."""
     return next(lr for width, lr in LR_BY_WIDTH if d_model <= width)
 
 
-def plan_run(opts: LMOptions, config: GPTConfig, measured: tuple[float, float] | None) -> RunPlan:
-    """The steps (the clock's share under max_minutes) and a warm-up of at most 10% of them."""
-    steps = opts.steps
-    if opts.max_minutes is not None and measured is not None:
-        step_s, eval_s = measured
-        evals = 1 / opts.eval_every if opts.eval_every else 0.0
-        budget = 0.97 * opts.max_minutes * 60 - eval_s  # the final evaluation too
-        steps = max(1, min(steps, int(budget / (step_s + eval_s * evals))))
-    cap = max(steps // 10, 1 if steps > 1 else 0)
-    warmup = min(opts.warmup, cap) if opts.warmup is not None else min(cap, 1000)
+def plan_run(opts: LMOptions, config: GPTConfig) -> RunPlan:
+    """The steps and warm-up a run starts with (under max_minutes, the trainer plans both)."""
+    if opts.max_minutes is not None:  # Trainer._plan_schedule, from its step rate
+        steps = opts.steps if opts.steps is not None else TIMED_STEPS
+        warmup = opts.warmup if opts.warmup is not None else MOST_WARMUP
+        return RunPlan(config.to_dict(), steps, warmup)
+    steps = opts.steps if opts.steps is not None else DEFAULT_STEPS
+    cap = planned_warmup(steps, WARMUP_SHARE, steps) if steps > 1 else 0
+    warmup = min(opts.warmup, cap) if opts.warmup is not None else min(cap, MOST_WARMUP)
     if opts.warmup is not None and warmup < opts.warmup:
-        print(f"note: warmup {opts.warmup} cut to {warmup}, 10% of the {steps} steps planned",
+        print(f"note: warmup {opts.warmup} cut to {warmup}, 10% of the {steps} steps",
               file=sys.stderr)  # fmt: skip
     return RunPlan(config.to_dict(), steps, warmup)
 
@@ -356,6 +306,7 @@ def trainer_config(opts: LMOptions, plan: RunPlan) -> TrainConfig:
         steps=plan.steps,
         lr=opts.lr,
         warmup=plan.warmup,
+        warmup_share=WARMUP_SHARE if opts.max_minutes is not None else None,
         schedule="linear",
         optimizer="adamw",
         weight_decay=opts.weight_decay,
@@ -410,10 +361,8 @@ class LMJob(Job):
             self.plan = read_plan(opts.out)
             self._build(GPTConfig.from_dict(self.plan.model_config))
             return
-        config = self._initial_config()
-        self._build(config)
-        measured = measure_seconds(self.model, opts, self.data) if opts.max_minutes else None
-        self.plan = plan_run(opts, self.model.config, measured)
+        self._build(self._initial_config())
+        self.plan = plan_run(opts, self.model.config)
 
     def _initial_config(self) -> GPTConfig:
         opts = self.opts
@@ -487,7 +436,9 @@ class LMJob(Job):
         model = fast.to_plain(model).eval()
         save_gpt(model, stage, self.tokenizer, overwrite=True, eos_id=self.tokenizer.eos_id)
         publish(stage, self.opts.out)
-        return {**summary, "planned_steps": self.plan.steps, "warmup": self.plan.warmup}
+        if self.opts.max_minutes is not None:  # the trainer's plan is in its summary
+            return summary
+        return {**summary, "planned_steps": self.plan.steps, "planned_warmup": self.plan.warmup}
 
 
 def train_lm(opts: LMOptions, say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:

@@ -83,7 +83,8 @@ class Schedule:
     """The learning-rate factor of a named schedule at optimiser step ``step`` (LambdaLR's lambda).
 
     ``replan`` sets a warm-up (and a linear decay's last step) planned during the run: the
-    trainer plans them from the steps a time limit allows (``planned_warmup``). LambdaLR saves
+    trainer plans them from the steps a time limit allows (``planned_warmup``); ``redecay``
+    moves a linear decay's last step, earlier or later, without a jump. LambdaLR saves
     a callable object's ``__dict__`` with the scheduler, and only the plan lives there (the
     configured values are slots): a resumed run keeps its plan, while its configured steps
     and warm-up come from the resumed run's own settings, as for a plain function.
@@ -100,7 +101,7 @@ class Schedule:
             raise AttnlabError(f"inverse_sqrt needs warmup_steps >= 1, got {warmup_steps}")
         self.name, self.warmup_steps, self.total_steps = name, warmup_steps, total_steps
         self.d_model = d_model
-        self.plan: dict[str, int] = {}  # what replan set: saved and restored with the scheduler
+        self.plan: dict[str, float] = {}  # what replan set: saved and restored with the scheduler
 
     @property
     def warmup(self) -> int:
@@ -116,6 +117,16 @@ class Schedule:
         """Warm up for warmup_steps (>= 1) and end a linear decay at total_steps from now on."""
         self.plan = {"warmup_steps": max(1, warmup_steps), "total_steps": total_steps}
 
+    def redecay(self, step: int, total_steps: int) -> None:
+        """From step on, decay linearly from the factor in force at step to 0 at total_steps.
+
+        A linear decay re-planned after its warm-up: the factor goes on from where it is (no
+        jump), only its slope changes.
+        """
+        factor = self(step)
+        self.plan = {"warmup_steps": self.warmup, "total_steps": total_steps,
+                     "decay_from": step, "decay_factor": factor}  # fmt: skip
+
     def __call__(self, step: int) -> float:
         warmup, total = self.warmup, self.total
         if self.name == "inverse_sqrt":
@@ -126,6 +137,9 @@ class Schedule:
             return step / warmup
         if self.name == "constant":
             return 1.0
+        start = self.plan.get("decay_from")
+        if start is not None and step >= start:
+            return max(0.0, self.plan["decay_factor"] * (total - step) / max(1, total - start))
         return max(0.0, (total - step) / max(1, total - warmup))
 
 

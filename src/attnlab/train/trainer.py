@@ -161,9 +161,9 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-PLAN_EVERY = 10  # steps between the warm-up plans of a time-limited run (_plan_schedule)
-# The plan counts on this share of the step rate measured while warming up: evaluations and
-# checkpoints, mostly later in the run, take their time from the same clock.
+PLAN_EVERY = 10  # steps between the plans of a time-limited run (_plan_schedule)
+# The plan counts on this share of the step rate measured so far: evaluations and checkpoints
+# still to come take their time from the same clock.
 PLAN_RATE_SHARE = 0.9
 
 
@@ -326,8 +326,9 @@ class Trainer:
         self._window.started = time.perf_counter()  # tokens/s counts training time only
         self._loop_started = self._window.started  # the step rate of _plan_schedule
         data = iter(self.batches)
+        planned = cfg.max_seconds is not None and cfg.warmup_share is not None
         bar = tqdm(
-            total=cfg.steps,
+            total=None if planned else cfg.steps,  # planned: the first log row sets it
             initial=self.step,
             desc="train",
             unit="step",
@@ -340,14 +341,14 @@ class Trainer:
                 self.model.train()
                 # Decided once a step: a clock that runs out during the logging, evaluation or
                 # saving after a step would otherwise end the loop with no final checkpoint.
-                stop = self.step >= cfg.steps or self._out_of_time()
+                stop = self.step >= self._last_step() or self._out_of_time()
                 while not stop:
                     values, tokens = self._train_step(data)
                     self.step += 1
                     self._plan_schedule(start_step)
                     self._window.add(values, tokens)
                     bar.update(1)
-                    stop = self.step == cfg.steps or self._out_of_time()
+                    stop = self.step >= self._last_step() or self._out_of_time()
                     self._after_step(bar, final=stop)
                     self.speedups.after_step(self)
         finally:
@@ -367,22 +368,26 @@ class Trainer:
             "wall_s": wall,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "best": self.best,
-            **self._planned_warmup(),
+            **self._planned(),
         }
 
     def _plan_schedule(self, start_step: int) -> None:
-        """Under max_seconds and warmup_share, plan the warm-up from the steps the clock allows.
+        """Under max_seconds and warmup_share, plan the schedule from the steps the clock allows.
 
-        Every PLAN_EVERY steps while warming up, from the step rate of this session so far: a
-        warm-up of warmup_share of the steps the run will make (at most config.warmup), a
-        linear decay that ends with them. Once the warm-up is over the plan stays (a later
-        change would make the learning rate jump); a resumed run goes on with it.
+        Every PLAN_EVERY steps, from the step rate of this session so far (evaluations and
+        checkpoints included): while warming up, a warm-up of warmup_share of the steps the run
+        will make (at most config.warmup) and a linear decay that ends with them; an
+        inverse-sqrt warm-up then stays (a later change would make the learning rate jump). A
+        linear decay is planned again all along (Schedule.redecay: from the rate in force, no
+        jump), so that it ends with the clock when the machine's speed drifts, and the run
+        ends with it (_last_step). A resumed run goes on with its plan.
         """
         cfg = self.config
         schedule = schedule_of(self.scheduler)
         if cfg.max_seconds is None or cfg.warmup_share is None or schedule is None:
             return
-        if self.step % PLAN_EVERY or self.step >= schedule.warmup:
+        warming_up = self.step < schedule.warmup
+        if self.step % PLAN_EVERY or not (warming_up or schedule.name == "linear"):
             return
         # One plan for every rank (their clocks differ): their mean times.
         now = time.perf_counter()
@@ -390,15 +395,29 @@ class Trainer:
         looped, elapsed = (all_reduce_sum(times) / self.world_size).tolist()
         rate = PLAN_RATE_SHARE * (self.step - start_step) / max(looped, 1e-9)
         steps = steps_within(cfg.steps, self.step, elapsed, cfg.max_seconds, rate)
-        schedule.replan(planned_warmup(steps, cfg.warmup_share, cfg.warmup), steps)
+        if warming_up:
+            schedule.replan(planned_warmup(steps, cfg.warmup_share, cfg.warmup), steps)
+        else:
+            schedule.redecay(self.scheduler.last_epoch, steps)
         # The next step's rate, set by the scheduler's step before this plan, follows it.
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
             group["lr"] = base * schedule(self.scheduler.last_epoch)
 
-    def _planned_warmup(self) -> dict[str, int]:
-        """{"planned_warmup": steps} when _plan_schedule planned the warm-up, else {}."""
+    def _planned(self) -> dict[str, int]:
+        """What _plan_schedule planned: {"planned_warmup": steps}, with "planned_steps" for a
+        linear decay; {} without a plan."""
         schedule = schedule_of(self.scheduler)
-        return {"planned_warmup": schedule.warmup} if schedule and schedule.plan else {}
+        if schedule is None or not schedule.plan:
+            return {}
+        planned = {"planned_warmup": schedule.warmup}
+        return planned | ({"planned_steps": schedule.total} if schedule.name == "linear" else {})
+
+    def _last_step(self) -> int:
+        """config.steps, or the step where a planned linear decay reaches 0 (a timed run ends)."""
+        schedule = schedule_of(self.scheduler)
+        if schedule is not None and schedule.name == "linear" and schedule.plan:
+            return min(schedule.total, self.config.steps)
+        return self.config.steps
 
     def _out_of_time(self) -> bool:
         """Whether config.max_seconds of training time have passed (the same answer on every rank)."""
@@ -419,8 +438,9 @@ class Trainer:
             row = self._log_window()
             if cfg.max_seconds is not None and not final and not bar.disable:
                 bar.total = steps_within(
-                    cfg.steps, self.step, self._elapsed(), cfg.max_seconds, bar.format_dict["rate"]
-                )
+                    self._last_step(), self.step, self._elapsed(), cfg.max_seconds,
+                    bar.format_dict["rate"],
+                )  # fmt: skip
             bar.set_postfix(
                 loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}"
             )
