@@ -326,9 +326,8 @@ class Trainer:
         self._window.started = time.perf_counter()  # tokens/s counts training time only
         self._loop_started = self._window.started  # the step rate of _plan_schedule
         data = iter(self.batches)
-        planned = cfg.max_seconds is not None and cfg.warmup_share is not None
         bar = tqdm(
-            total=None if planned else cfg.steps,  # planned: the first log row sets it
+            total=None if self._clock_plans() else cfg.steps,  # then the first log row sets it
             initial=self.step,
             desc="train",
             unit="step",
@@ -384,7 +383,7 @@ class Trainer:
         """
         cfg = self.config
         schedule = schedule_of(self.scheduler)
-        if cfg.max_seconds is None or cfg.warmup_share is None or schedule is None:
+        if not self._clock_plans() or schedule is None:
             return
         warming_up = self.step < schedule.warmup
         if self.step % PLAN_EVERY or not (warming_up or schedule.name == "linear"):
@@ -402,6 +401,10 @@ class Trainer:
         # The next step's rate, set by the scheduler's step before this plan, follows it.
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
             group["lr"] = base * schedule(self.scheduler.last_epoch)
+
+    def _clock_plans(self) -> bool:
+        """Whether _plan_schedule plans this run from the clock (max_seconds and warmup_share)."""
+        return self.config.max_seconds is not None and self.config.warmup_share is not None
 
     def _planned(self) -> dict[str, int]:
         """What _plan_schedule planned: {"planned_warmup": steps}, with "planned_steps" for a
