@@ -144,6 +144,21 @@ def best_time(fn: Callable[[], T], repeats: int) -> tuple[float, T]:
     return min(times), result
 
 
+def best_times_alternating(
+    fns: dict[str, Callable[[], T]], repeats: int
+) -> dict[str, tuple[float, T]]:
+    """best_time of each fn, their timed calls alternating (a, b, a, b, ...): a drift in the
+    machine's speed then slows both sides alike."""
+    results = {name: fn() for name, fn in fns.items()}  # the untimed warm-up calls
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            results[name] = fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: (min(times[name]), results[name]) for name in fns}
+
+
 def machine() -> str:
     """One line describing where the numbers come from."""
     cpu = cpu_field("model name") or platform.processor() or platform.machine()

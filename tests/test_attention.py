@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from attnlab.decode.cache import KVBuffer, KVCache
+from attnlab.decode.cache import HeadMajorKVBuffer, KVBuffer, KVCache
 from attnlab.errors import AttnlabError
 from attnlab.fast import INFERENCE, chosen, swap
 from attnlab.fast.attention import FastMultiHeadAttention, cpu_attention
@@ -323,10 +323,14 @@ def test_token_by_token_with_a_cache_equals_full_causal_pass(use_rope: bool, twi
     torch.testing.assert_close(cache.self_kv[0].kv[1], v_full, atol=1e-6, rtol=1e-6)
 
 
-def test_kv_buffer_grows_and_reorders_like_cat_and_index_select() -> None:
+BUFFERS = [KVBuffer, HeadMajorKVBuffer]  # position-major (beam search) and head-major (sampling)
+
+
+@pytest.mark.parametrize("layout", BUFFERS)
+def test_kv_buffer_grows_and_reorders_like_cat_and_index_select(layout) -> None:
     # The reference is what the buffer replaces: torch.cat per step, index_select per reorder.
     torch.manual_seed(4)
-    buffer, ref_k, ref_v = KVBuffer(), torch.empty(3, H, 0, D_HEAD), torch.empty(3, H, 0, D_HEAD)
+    buffer, ref_k, ref_v = layout(), torch.empty(3, H, 0, D_HEAD), torch.empty(3, H, 0, D_HEAD)
     reorders = {5: [2, 0, 0], 9: [1, 1, 2], 20: [0, 2], 33: [1, 0, 0, 1]}  # rows change too
     for step in range(40):  # past the first capacity (16) and its doubling (34)
         rows = ref_k.shape[0]
@@ -342,10 +346,11 @@ def test_kv_buffer_grows_and_reorders_like_cat_and_index_select() -> None:
     assert buffer.length == 40 and buffer.kv[0].shape == (4, H, 40, D_HEAD)
 
 
-def test_kv_cache_copy_rows_reads_every_source_before_writing() -> None:
+@pytest.mark.parametrize("layout", BUFFERS)
+def test_kv_cache_copy_rows_reads_every_source_before_writing(layout) -> None:
     # Row 3 is both a source and a destination: the copy must use its old contents.
     torch.manual_seed(5)
-    cache = KVCache(n_layers=1)
+    cache = KVCache(n_layers=1, buffer=layout)
     buffer = cache.self_kv[0]
     k, v = torch.randn(4, H, 3, D_HEAD), torch.randn(4, H, 3, D_HEAD)
     buffer.append(k, v)
@@ -358,10 +363,11 @@ def test_kv_cache_copy_rows_reads_every_source_before_writing() -> None:
     assert torch.equal(got_k, torch.cat((k[rows], k2), 2))
 
 
-def test_kv_cache_copy_rows_from_start_positions_keeps_the_rows_before() -> None:
+@pytest.mark.parametrize("layout", BUFFERS)
+def test_kv_cache_copy_rows_from_start_positions_keeps_the_rows_before(layout) -> None:
     # Pair (3 -> 1) from position 2, pair (0 -> 3) from 3: row 3 is read before it is written.
     torch.manual_seed(6)
-    cache = KVCache(n_layers=2)
+    cache = KVCache(n_layers=2, buffer=layout)
     kv = [(torch.randn(4, H, 5, D_HEAD), torch.randn(4, H, 5, D_HEAD)) for _ in range(2)]
     for buffer, (k, v) in zip(cache.self_kv, kv, strict=True):
         buffer.append(k, v)  # 5 positions in a capacity of 16

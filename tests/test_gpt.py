@@ -251,3 +251,50 @@ def test_training_twins_keep_the_model_causal_and_equal():
     torch.testing.assert_close(
         fast.for_training(twin)(ids[:, :-1], targets=ids[:, 1:]).loss, expected, atol=1e-6, rtol=0
     )
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_decoding_twin_steps_as_the_full_pass(scheme, monkeypatch):
+    from attnlab import fast
+    from attnlab.fast.decoding import DecodingGPTBlock
+
+    model = model_of(position_encoding=scheme)
+    ids = torch.randint(1, 37, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # row 0 is left-padded
+    new = torch.randint(0, 37, (2, 6))
+    everything = torch.cat([ids, new], 1)
+    full = model(everything, attention_mask=torch.cat([mask, torch.ones_like(new)], 1)).logits
+    steps = []
+    monkeypatch.setattr(DecodingGPTBlock, "step", _counted(DecodingGPTBlock.step, steps))
+    with fast.inference_twins(model, "decode_step"):
+        assert all(type(layer) is DecodingGPTBlock for layer in model.layers)
+        cache = model.new_cache()
+        parts = [model(ids, attention_mask=mask, cache=cache).logits]
+        parts += [model(new[:, t : t + 1], cache=cache).logits for t in range(6)]
+    cached = torch.cat(parts, 1)
+    torch.testing.assert_close(cached[0, 3:], full[0, 3:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(cached[1], full[1], atol=1e-5, rtol=0)
+    # every one-token step took the direct route, but under Shaw's relative attention
+    assert len(steps) == (0 if scheme == "shaw" else 6 * model.config.n_layers)
+
+
+def _counted(method, calls: list):
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return method(*args, **kwargs)
+
+    return counting
+
+
+def test_the_decoding_twin_leaves_training_and_weights_to_the_plain_block():
+    from attnlab import fast
+
+    model = fast.for_inference(model_of())
+    layer, x, cache = model.layers[0], torch.randn(2, 1, 24), model.new_cache()
+    assert layer.takes_direct_route(x, cache, need_weights=False)
+    assert not layer.takes_direct_route(x, cache, need_weights=True)
+    assert not layer.takes_direct_route(x, None, need_weights=False)
+    assert not layer.takes_direct_route(torch.randn(2, 2, 24), cache, need_weights=False)
+    model.train()
+    assert not layer.takes_direct_route(x, cache, need_weights=False)

@@ -7,7 +7,7 @@ its row moves, ``search.py`` the searches, ``batches.py`` decoding many batches 
 """
 
 from attnlab.decode.batches import map_batches, translate_batches
-from attnlab.decode.cache import KVBuffer, KVCache
+from attnlab.decode.cache import HeadMajorKVBuffer, KVBuffer, KVCache
 from attnlab.decode.options import MAX_BEAM, MAX_LENGTH_PENALTY, SearchOptions
 from attnlab.decode.sampling import generate, top_k_filter, top_p_filter
 from attnlab.decode.search import (
@@ -22,6 +22,7 @@ from attnlab.decode.search import (
 __all__ = [
     "MAX_BEAM",
     "MAX_LENGTH_PENALTY",
+    "HeadMajorKVBuffer",
     "KVBuffer",
     "KVCache",
     "SearchOptions",

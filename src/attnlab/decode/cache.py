@@ -91,6 +91,61 @@ class KVBuffer:
             entries.index_copy_(0, dst, entries.index_select(0, src))
 
 
+class HeadMajorKVBuffer:
+    """KVBuffer's keys and values stored head-major, (batch, heads, capacity, d_head): for sampling.
+
+    Each head's positions are one contiguous run, which is how attention reads them: a sampling
+    step reads every cached key and value of every row once, and once the cache outgrows the
+    processor's caches, contiguous runs read faster than the position-major layout's short
+    strided ones (bench/RESULTS.md). Sampling never reorders beams, which is what KVBuffer's
+    layout is for. The same methods as KVBuffer, with the same results.
+    """
+
+    def __init__(self) -> None:
+        self.length = 0
+        self._kv: tuple[Tensor, Tensor] | None = None  # (batch, heads, capacity, d_head) each
+
+    @property
+    def kv(self) -> tuple[Tensor, Tensor]:
+        """(keys, values) of the filled positions: views (batch, heads, length, d_head)."""
+        if self._kv is None:
+            raise AttnlabError("the key/value buffer is empty")
+        return self._kv[0][:, :, : self.length], self._kv[1][:, :, : self.length]
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Add the new positions' keys and values; returns all of them (see kv)."""
+        end = self.length + k.shape[2]
+        if self._kv is None or end > self._kv[0].shape[2]:
+            b, h, _, d = k.shape
+            grown = tuple(x.new_empty(b, h, max(2 * end, 16), d) for x in (k, v))
+            if self._kv is not None:
+                for old, buffer in zip(self.kv, grown, strict=True):
+                    buffer[:, :, : self.length] = old
+            self._kv = grown
+        for new, buffer in zip((k, v), self._kv, strict=True):
+            buffer[:, :, self.length : end] = new
+        self.length = end
+        return self.kv
+
+    def select_rows(self, rows: Tensor) -> None:
+        """Keep/duplicate batch rows by index."""
+        if self._kv is not None:
+            self._kv = (self._kv[0].index_select(0, rows), self._kv[1].index_select(0, rows))
+
+    @property
+    def batch_size(self) -> int:
+        """Rows held (0 while empty)."""
+        return 0 if self._kv is None else self._kv[0].shape[0]
+
+    def copy_entries(self, dst: Tensor, src: Tensor) -> None:
+        """As KVBuffer.copy_entries: entry ``position * batch + row`` is one position of one row."""
+        if self._kv is None or dst.numel() == 0:
+            return
+        rows = self.batch_size
+        for buffer in self._kv:  # the right side is read whole before the write
+            buffer[dst % rows, :, dst // rows] = buffer[src % rows, :, src // rows]
+
+
 def _select_rows(kv: tuple[Tensor, Tensor] | None, rows: Tensor) -> tuple[Tensor, Tensor] | None:
     return None if kv is None else (kv[0].index_select(0, rows), kv[1].index_select(0, rows))
 
@@ -104,9 +159,11 @@ class KVCache:
     beams (consecutive rows of the self-attention slots). Tensors are (batch, heads, seq, d_head).
     """
 
-    def __init__(self, n_layers: int) -> None:
+    def __init__(
+        self, n_layers: int, buffer: type[KVBuffer | HeadMajorKVBuffer] = KVBuffer
+    ) -> None:
         self.n_layers = n_layers
-        self.self_kv = [KVBuffer() for _ in range(n_layers)]
+        self.self_kv = [buffer() for _ in range(n_layers)]
         self.cross_kv: list[tuple[Tensor, Tensor] | None] = [None] * n_layers
 
     @property

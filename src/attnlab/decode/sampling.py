@@ -197,8 +197,10 @@ def _decode(
             on_token(step, chosen)
         if eos_id is not None and bool(finished.all()):
             break
-        tokens = chosen.unsqueeze(1)
-        step_mask = None if attention_mask is None else torch.ones_like(tokens)
+        tokens, step_mask = (
+            chosen.unsqueeze(1),
+            None,
+        )  # new tokens are real: the cache knows the pads
     if not new:
         return input_ids.clone()
     return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)

@@ -10,13 +10,14 @@ from attnlab.fast.attention import (
     FastMultiHeadAttention,
     UnpaddedEncoder,
 )
+from attnlab.fast.decoding import DecodingGPTBlock
 from attnlab.fast.dropout import FastDropout
 from attnlab.fast.linear import FastGPT, FastMLMHead, FastTransformer, TrainingLinear
 from attnlab.fast.loss import BlockedKLDivergence
 from attnlab.fast.swap import INFERENCE, TRAINING, Speedup
 from attnlab.fast.training import TRAINER_SPEEDUPS
 from attnlab.models.bert import BertMLMHead
-from attnlab.models.gpt import GPT
+from attnlab.models.gpt import GPT, GPTBlock
 from attnlab.models.seq2seq import Transformer
 from attnlab.nn.attention import MultiHeadAttention
 from attnlab.nn.blocks import Encoder, EncoderLayer
@@ -75,5 +76,11 @@ SPEEDUPS: list[Speedup] = [
         "unpadded", Encoder, UnpaddedEncoder, (INFERENCE,), _always,
         "in evaluation with BertModel's keep, no layer computes padding: the position-wise "
         "parts run on the real tokens only",
+    ),
+    # Sampling (fast/decoding.py).
+    Speedup(
+        "decode_step", GPTBlock, DecodingGPTBlock, (INFERENCE,), _always,
+        "a GPT block's cached one-token step in evaluation by direct function calls, without "
+        "its dozen module calls",
     ),
 ]  # fmt: skip

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab.config import GPTConfig
-from attnlab.decode.cache import KVCache
+from attnlab.decode.cache import HeadMajorKVBuffer, KVCache
 from attnlab.errors import AttnlabError, check_id_range, check_token_batch
 from attnlab.nn.attention import padding_bias
 from attnlab.nn.blocks import EncoderLayer
@@ -58,11 +58,12 @@ class GPTCache(KVCache):
 
     ``key_mask`` (batch, length) is 1 at real tokens and 0 at (left) padding, or None while
     every cached position is real: a later step's queries must not attend to the pads, and
-    its positions count real tokens only.
+    its positions count real tokens only. Keys and values are stored head-major, as sampling
+    reads them (``HeadMajorKVBuffer``).
     """
 
     def __init__(self, n_layers: int) -> None:
-        super().__init__(n_layers)
+        super().__init__(n_layers, buffer=HeadMajorKVBuffer)
         self.key_mask: Tensor | None = None
 
     def reorder(self, index: Tensor, cross_index: Tensor | None = None) -> None:
@@ -251,12 +252,14 @@ class GPT(nn.Module):
         if attention_mask is None and old is None:
             return None
         if attention_mask is not None and attention_mask.shape[1] == past + input_ids.shape[1]:
-            return attention_mask.long()
-        batch, device = input_ids.shape[0], input_ids.device
-        if old is None:
-            old = torch.ones(batch, past, dtype=torch.long, device=device)
-        new = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-        return torch.cat([old, new.long()], dim=1)
+            mask = attention_mask.long()
+        else:
+            batch, device = input_ids.shape[0], input_ids.device
+            if old is None:
+                old = torch.ones(batch, past, dtype=torch.long, device=device)
+            new = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+            mask = torch.cat([old, new.long()], dim=1)
+        return None if bool(mask.all()) else mask
 
     def attention_bias(
         self, key_mask: Tensor | None, past: int, seq_len: int, dtype: torch.dtype
@@ -266,7 +269,7 @@ class GPT(nn.Module):
         The causal mask itself is applied by the attention (causal=True).
         """
         bias = None
-        if key_mask is not None and not bool(key_mask.all()):
+        if key_mask is not None:
             bias = padding_bias(key_mask, dtype)
         device = self.embed.weight.device
         keys = torch.arange(past + seq_len, device=device)
@@ -307,7 +310,7 @@ def _position_ids(key_mask: Tensor | None, past: int, seq_len: int, device: torc
 
     A left-padded row's first real token is at position 0 (HF's cumsum(mask) - 1); pads get 0.
     """
-    if key_mask is None or bool(key_mask.all()):
+    if key_mask is None:
         return torch.arange(past, past + seq_len, device=device)
     return (key_mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
 

@@ -720,29 +720,34 @@ def generate_texts(
     if stream is not None:
         next(stream)
     completions = []
-    # The plain model: at one new token a step the CPU attention route costs more than it
-    # saves (bench/RESULTS.md, kept speed-ups).
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
-        longest = max(map(len, chunk))
-        ids = torch.full((len(chunk), longest), tokenizer.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), longest), dtype=torch.long)
-        for row, prompt in enumerate(chunk):  # left padding: every row ends at its prompt
-            ids[row, longest - len(prompt) :] = torch.tensor(prompt)
-            mask[row, longest - len(prompt) :] = 1
 
-        def show(step: int, tokens: torch.Tensor) -> None:
-            on_text(stream.send(int(tokens[0])))
+    def show(step: int, tokens: torch.Tensor) -> None:
+        on_text(stream.send(int(tokens[0])))
 
-        new = generate(
-            model, ids.to(device), max_new_tokens,
-            attention_mask=mask.to(device), do_sample=not greedy, temperature=temperature,
-            top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-            generator=generator, on_token=show if stream is not None else None,
-        )  # fmt: skip
-        completions += [_completion(tokenizer, row, stop) for row in new[:, longest:].tolist()]
+    with fast.inference_twins(model):  # the decoding twin takes the one-token steps
+        for start in range(0, len(rows), batch_size):
+            ids, mask = left_padded(rows[start : start + batch_size], tokenizer.pad_id)
+            new = generate(
+                model, ids.to(device), max_new_tokens,
+                attention_mask=mask.to(device), do_sample=not greedy, temperature=temperature,
+                top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                generator=generator, on_token=show if stream is not None else None,
+            )  # fmt: skip
+            made = new[:, ids.shape[1] :].tolist()  # each row's generated ids
+            completions += [_completion(tokenizer, row, stop) for row in made]
     sources = [p for p in prompts for _ in range(num_samples)]
     return list(zip(sources, completions, strict=True))
+
+
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of token ids -> ids and attention mask (rows, longest), padded on the left."""
+    longest = max(map(len, prompts))
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for row, prompt in enumerate(prompts):  # every row ends at its prompt's last token
+        ids[row, longest - len(prompt) :] = torch.tensor(prompt)
+        mask[row, longest - len(prompt) :] = 1
+    return ids, mask
 
 
 def _completion(tokenizer: LMTokenizer, new_ids: list[int], stop: str | None) -> str:
