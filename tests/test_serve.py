@@ -696,3 +696,25 @@ def test_a_fault_is_500_without_traceback_and_fails_only_its_request():
         assert re.search(r"^attnlab_batch_size_sum 5\.0$", metrics, re.MULTILINE)  # 1 + 4
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    ("command", "given", "expected"),
+    [("serve", None, "PASSIVE"), ("serve", "ACTIVE", "ACTIVE"), ("embed", None, "None")],
+)
+def test_the_server_sets_its_threads_to_sleep_before_torch_loads(command, given, expected):
+    # OpenMP reads OMP_WAIT_POLICY once, as torch loads: the CLI sets serve's default before that,
+    # keeps a value already given, and leaves the other commands' environment alone.
+    code = (
+        "import os, sys\n"
+        "from attnlab import cli\n"
+        f"args = cli.build_parser().parse_args([{command!r}, '--model', 'm'])\n"
+        "cli._set_environment(args)\n"
+        "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [expected, "False"]
