@@ -6,9 +6,11 @@ Each answers as the CLI does for the same input: `attnlab embed`, `attnlab fill-
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Hashable
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -16,6 +18,11 @@ from .handling import Server, as_list, json_response
 from .limits import ApiError, check_texts
 from .models import EncoderModel, TaskModel
 from .schemas import ClassifyRequest, EmbeddingsRequest, FillMaskRequest, NerRequest, QARequest
+
+
+def base64_floats(vector: list[float]) -> str:
+    """OpenAI's base64 embedding: the vector's float32 values, little-endian, in base64."""
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
 
 
 def add_encoder_routes(app: FastAPI, server: Server, served: EncoderModel) -> None:
@@ -28,6 +35,8 @@ def add_encoder_routes(app: FastAPI, server: Server, served: EncoderModel) -> No
         check_texts(texts, server.limits)
         tokens = server.counted(texts, served.max_length, body.truncate)
         vectors = await server.answer(request, ("embed", body.normalize), texts, tokens)
+        if body.encoding_format == "base64":
+            vectors = [base64_floats(v) for v in vectors]
         data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
         return json_response(server.listing(data, tokens))
 

@@ -23,7 +23,7 @@ class EmbeddingsRequest(Body):
 
     input: str | list[str]
     model: str | None = None  # accepted as OpenAI clients send it; the server has one model
-    encoding_format: Literal["float"] = "float"
+    encoding_format: Literal["float", "base64"] = "float"  # OpenAI's clients ask for base64
     user: str | None = None
     normalize: bool = True  # unit-length vectors (L2), as `attnlab embed --normalize`
     truncate: bool = True  # cut a text past the model's length (false: refuse it)
