@@ -30,8 +30,12 @@ sentences/s is in the JSON. The table goes to stderr and one JSON line with ever
 stdout, with the ratios issue 42 names (16 clients: sentences/s of (a) against (b), target
 >= 3x, and against (c), target >= 0.8x).
 
+``--groups N`` starts no server: it times offline embed over all the sentences at once against
+N sentences a call (the size of a server's batches), alternating, --rounds times each.
+
 Usage: python bench/serve.py [--threads 2] [--seconds 10] [--clients 1,4,16,64] [--rounds 3]
                              [--max-batch-tokens N] [--max-wait-ms T]
+       python bench/serve.py --groups 20 [--rounds 5]
 """
 
 from __future__ import annotations
@@ -337,11 +341,27 @@ class Offline:
 
         embed(self.model, self.tokenizer, sentences, normalize=True, max_length=self.max_length)
 
-    def rate(self) -> float:
-        """Sentences/s of one pass over every sentence."""
+    def rate(self, group: int | None = None) -> float:
+        """Sentences/s of one pass over every sentence: at once, or ``group`` at a time."""
+        size = group or len(self.sentences)
         began = time.perf_counter()
-        self._embed(self.sentences)
+        for start in range(0, len(self.sentences), size):
+            self._embed(self.sentences[start : start + size])
         return len(self.sentences) / (time.perf_counter() - began)
+
+
+def bench_groups(offline: Offline, group: int, rounds: int) -> None:
+    """Offline embed at once against ``group`` sentences a call (a server's batch), alternating:
+    what a server's batches of that size could reach with no serving cost at all."""
+    rates: dict[str, list[float]] = {"whole": [], f"groups_of_{group}": []}
+    for _ in range(rounds):
+        rates["whole"].append(offline.rate())
+        rates[f"groups_of_{group}"].append(offline.rate(group))
+        print(f"offline embed: whole {rates['whole'][-1]:.1f}, {group} at a time "
+              f"{rates[f'groups_of_{group}'][-1]:.1f} sentences/s", file=sys.stderr)  # fmt: skip
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    print(json.dumps({"bench": "serve-offline-groups", "machine": machine(), "rounds": rates,
+                      "medians": medians}))  # fmt: skip
 
 
 # ------------------------------------------------------------------------- main
@@ -358,6 +378,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (median kept)")
     parser.add_argument("--max-batch-tokens", type=int, help="passed on to attnlab serve")
     parser.add_argument("--max-wait-ms", type=float, help="passed on to attnlab serve")
+    parser.add_argument("--groups", type=int, help="no servers: offline embed at once against "
+                        "this many sentences a call, alternating (--rounds)")  # fmt: skip
     parser.add_argument("--hf-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--max-length", type=int, default=256, help=argparse.SUPPRESS)
@@ -448,6 +470,9 @@ def main() -> None:
     print(f"machine: {machine()}; {len(sentences)} sentences, {args.threads} threads",
           file=sys.stderr)  # fmt: skip
     offline = Offline(args.model, sentences, args.threads)
+    if args.groups:
+        bench_groups(offline, args.groups, args.rounds)
+        return
     checks, runs, offline_rates = bench_servers(commands(args, offline.max_length), sentences,
                                                 offline, args)  # fmt: skip
     levels = {name: [median_run(by_level[n]) for n in args.clients]
