@@ -197,10 +197,8 @@ def _decode(
             on_token(step, chosen)
         if eos_id is not None and bool(finished.all()):
             break
-        tokens, step_mask = (
-            chosen.unsqueeze(1),
-            None,
-        )  # new tokens are real: the cache knows the pads
+        tokens = chosen.unsqueeze(1)
+        step_mask = None  # new tokens are real; the cache holds the prompts' padding mask
     if not new:
         return input_ids.clone()
     return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)
