@@ -135,13 +135,7 @@ def training_step(
 
 def best_time(fn: Callable[[], T], repeats: int) -> tuple[float, T]:
     """Fastest wall time of fn over repeats, after one untimed warm-up call, and its result."""
-    result = fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), result
+    return best_times_alternating({"fn": fn}, repeats)["fn"]
 
 
 def best_times_alternating(

@@ -57,7 +57,7 @@ from attnlab.tasks.lm import (
 )
 from attnlab.text.token_stream import TokenStream, WindowBatches, held_out_split
 from attnlab.train.optim import build_optimizer, planned_warmup
-from attnlab.train.trainer import PLAN_EVERY, PLAN_RATE_SHARE
+from attnlab.train.trainer import PLAN_EVERY, PLAN_RATE_SHARE, steps_within
 
 SEQ_LEN, STRIDE = 256, 128
 LR = default_lr(192)  # the peak rate attnlab's lm train gives gpt-char's width
@@ -113,9 +113,8 @@ def train_hf(hf: torch.nn.Module, batches: WindowBatches, minutes: float) -> dic
         done += 1
         if done % PLAN_EVERY == 0:
             elapsed = time.perf_counter() - started
-            plan.update(
-                done, done + math.ceil((budget - elapsed) * PLAN_RATE_SHARE * done / elapsed)
-            )
+            rate = PLAN_RATE_SHARE * done / elapsed
+            plan.update(done, steps_within(TIMED_STEPS, done, elapsed, budget, rate))
             for group in optimizer.param_groups:  # the next step's rate, by the new plan
                 group["lr"] = LR * plan.factor(done)
     seconds = time.perf_counter() - started
