@@ -279,6 +279,56 @@ def test_the_decoding_twin_steps_as_the_full_pass(scheme, monkeypatch):
     assert len(steps) == (0 if scheme == "shaw" else 6 * model.config.n_layers)
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_decoding_model_twin_steps_as_the_full_pass(scheme, monkeypatch):
+    # No padding: after the prompt, each one-token step is the model twin's direct route (the
+    # blocks' steps called directly), with the logits of the uncached full pass.
+    from attnlab import fast
+    from attnlab.fast.decoding import DecodingGPT
+
+    model = model_of(position_encoding=scheme)
+    ids = torch.randint(0, 37, (2, 10))
+    full = model(ids).logits
+    steps = []
+    monkeypatch.setattr(DecodingGPT, "step", _counted(DecodingGPT.step, steps))
+    with fast.inference_twins(model, "decode_step,decode_model"):
+        assert type(model) is DecodingGPT
+        cache = model.new_cache()
+        parts = [model(ids[:, :4], cache=cache).logits]
+        for t in range(4, 10):
+            parts.append(model(ids[:, t : t + 1], cache=cache, last_only=True).logits)
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
+    assert len(steps) == (0 if scheme == "shaw" else 6)  # Shaw's attention keeps the plain block
+
+
+def test_the_decoding_model_twin_leaves_the_rest_to_the_plain_model():
+    # Only a one-token step after cached tokens, with no padding anywhere, in evaluation,
+    # takes the direct route; there, bad input meets the plain model's errors.
+    from attnlab import fast
+
+    model = fast.for_inference(model_of())
+    step = torch.randint(0, 37, (2, 1))
+    padded_cache, cache = model.new_cache(), model.new_cache()
+    model(torch.randint(0, 37, (2, 3)), cache=cache)
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    model(torch.randint(0, 37, (2, 3)), attention_mask=mask, cache=padded_cache)
+    assert model.takes_direct_route(step, cache, need_weights=False)
+    assert not model.takes_direct_route(step, cache, need_weights=True)
+    assert not model.takes_direct_route(step, model.new_cache(), need_weights=False)
+    assert not model.takes_direct_route(step, padded_cache, need_weights=False)
+    assert not model.takes_direct_route(torch.randint(0, 37, (2, 2)), cache, need_weights=False)
+    with pytest.raises(AttnlabError, match="vocab_size"):
+        model(torch.full((2, 1), 37), cache=cache)
+    with pytest.raises(AttnlabError, match="input_ids"):
+        model(torch.tensor([3, 4]), cache=cache)  # not (batch, seq)
+    context = model.config.max_positions
+    model(torch.randint(0, 37, (2, context - 3)), cache=cache)  # the context is now full
+    with pytest.raises(AttnlabError, match="context"):
+        model(step, cache=cache)
+    model.train()
+    assert not model.takes_direct_route(step, cache, need_weights=False)
+
+
 def _counted(method, calls: list):
     def counting(*args, **kwargs):
         calls.append(1)

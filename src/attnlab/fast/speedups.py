@@ -10,7 +10,7 @@ from attnlab.fast.attention import (
     FastMultiHeadAttention,
     UnpaddedEncoder,
 )
-from attnlab.fast.decoding import DecodingGPTBlock
+from attnlab.fast.decoding import DecodingGPT, DecodingGPTBlock
 from attnlab.fast.dropout import FastDropout
 from attnlab.fast.linear import FastGPT, FastMLMHead, FastTransformer, TrainingLinear
 from attnlab.fast.loss import BlockedKLDivergence
@@ -82,5 +82,10 @@ SPEEDUPS: list[Speedup] = [
         "decode_step", GPTBlock, DecodingGPTBlock, (INFERENCE,), _always,
         "a GPT block's cached one-token step in evaluation by direct function calls, without "
         "its dozen module calls",
+    ),
+    Speedup(
+        "decode_model", GPT, DecodingGPT, (INFERENCE,), _always,
+        "GPT's cached one-token step without padding: its blocks' steps called directly, only "
+        "the position hooks its scheme fills",
     ),
 ]  # fmt: skip
