@@ -703,31 +703,3 @@ def test_a_fault_is_500_without_traceback_and_fails_only_its_request():
         assert re.search(r"^attnlab_batch_size_sum 5\.0$", metrics, re.MULTILINE)  # 1 + 4
     finally:
         server.stop()
-
-
-@pytest.mark.parametrize(
-    ("command", "given", "expected"),
-    [("serve", None, "PASSIVE"), ("serve", "ACTIVE", "ACTIVE"), ("embed", None, "None")],
-)
-def test_the_server_sets_its_threads_to_sleep_before_torch_loads(command, given, expected):
-    # OpenMP reads OMP_WAIT_POLICY once, as torch loads: the CLI sets serve's default before that,
-    # keeps a value already given, and leaves the other commands' environment alone. The command
-    # runs through main (a missing folder: exit 2), and torch is first imported after the default.
-    code = (
-        "import builtins, os, sys\n"
-        "from attnlab import cli\n"
-        "seen = []\n"
-        "real_import = builtins.__import__\n"
-        "def spy(name, *args, **kwargs):\n"
-        "    if name == 'torch' and not seen:\n"
-        "        seen.append(os.environ.get('OMP_WAIT_POLICY'))\n"
-        "    return real_import(name, *args, **kwargs)\n"
-        "builtins.__import__ = spy\n"
-        f"code = cli.main([{command!r}, '--model', 'no-such-folder'])\n"
-        "print(code, seen[0], os.environ.get('OMP_WAIT_POLICY'))\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if given is not None:
-        env["OMP_WAIT_POLICY"] = given
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert done.stdout.split() == ["2", expected, expected], done.stderr

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import re
 import signal
 import sys
@@ -112,15 +111,6 @@ def _any_command_flag(name: str) -> str:
             if isinstance(action, argparse._SubParsersAction):
                 parsers.extend(action.choices.values())
     return flag if flag in seen else name
-
-
-def _set_environment(args: argparse.Namespace) -> None:
-    """A command's environment defaults (``environment``), set before torch loads: OpenMP reads
-    its settings once, then. Values already in the environment are kept."""
-    if "torch" in sys.modules:  # called from Python after torch: too late to matter
-        return
-    for name, value in getattr(args, "environment", {}).items():
-        os.environ.setdefault(name, value)
 
 
 def _set_threads(args: argparse.Namespace) -> None:
@@ -1168,7 +1158,6 @@ def _run(argv: Sequence[str] | None) -> int:
         if sys.stdout is None:  # the shell closed it (>&-): results would vanish
             raise AttnlabError("standard output is closed: results are printed there")
         args = build_parser().parse_args(argv)
-        _set_environment(args)
         _set_threads(args)
         args.func(args)
     except AttnlabError as err:  # one line, whatever text (a file's, a label) it quotes

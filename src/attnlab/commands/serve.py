@@ -18,11 +18,6 @@ LIMIT_FLAGS = {
 }
 
 
-# The server's torch threads share the cores with its event loop: they sleep as soon as their
-# work is done rather than spin waiting for more (bench/RESULTS.md: served embeddings).
-SERVER_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
 def add_commands(commands: argparse._SubParsersAction) -> None:
     """Register `attnlab serve`."""
     from attnlab.cli import _command
@@ -30,7 +25,6 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
     text = "serve a model folder over HTTP (embeddings, fill-mask, predictions, translation)"
     sub = _command(commands, "serve", cmd_serve, text, "attnlab.serve.batching.BatchSettings")
-    sub.set_defaults(environment=SERVER_ENVIRONMENT)
     sub.add_argument("--model", required=True, help="model folder (BERT, fine-tuned, translation)")
     sub.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     sub.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
