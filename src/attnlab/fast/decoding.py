@@ -126,7 +126,7 @@ class DecodingGPT(GPT):
             input_ids.dim() == 2
             and cache.length > 0
             and cache.key_mask is None
-            and all(
+            and all(  # the block's check reads x's sequence length: input_ids' is the same
                 isinstance(layer, DecodingGPTBlock)
                 and layer.takes_direct_route(input_ids, cache, need_weights)
                 for layer in self.layers
