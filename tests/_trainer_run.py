@@ -142,6 +142,7 @@ def main() -> None:
     )
     if trainer.is_main:
         print(json.dumps(summary))
+    trainer.release_network()
     shutdown_distributed()
 
 

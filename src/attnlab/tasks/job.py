@@ -94,11 +94,7 @@ def run_job(job: Job) -> dict[str, Any]:
         summary = trainer.fit()
         if rank == 0:
             summary = job.publish(trainer, summary)
-        # Free DDP's reducer while the process group lives on: freed after the group is gone,
-        # it destroys gloo's backend while holding the GIL, and gloo's worker thread may still
-        # be releasing the last collective's tensors, which needs the GIL (a deadlock at exit).
-        trainer.network = trainer.model
-        del trainer
+        trainer.release_network()  # DDP's reducer goes while the process group lives
         barrier()
         shutdown_distributed()
     return summary

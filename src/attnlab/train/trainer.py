@@ -293,6 +293,15 @@ class Trainer:
         self.last_eval: dict[str, float] = {}
         self.last_checkpoint: Path | None = None
 
+    def release_network(self) -> None:
+        """After training, before the process group goes: drop the DDP (or compiled) wrapper.
+
+        Freed after the group is gone, DDP's reducer destroys gloo's backend while holding the
+        GIL, and gloo's worker thread may still be releasing the last collective's tensors,
+        which needs the GIL: a deadlock at exit. Freed now, the group outlives it.
+        """
+        self.network = self.model
+
     def _network(self) -> nn.Module:
         """The model under DDP (torchrun, strategy ddp), else itself (fsdp shards it in place)."""
         network = self.model
